@@ -1,0 +1,158 @@
+"""The NinjaAPI object (SPEC §8): auth, the error body, pagination and routers of each app."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+
+from django.db.models import QuerySet
+from django.http import Http404
+from ninja import NinjaAPI, Schema
+from ninja.errors import AuthenticationError, HttpError, ValidationError
+from ninja.security import APIKeyCookie, HttpBearer
+from django.conf import settings
+
+from .errors import ApplicationError
+from .permissions import has_ops_role
+from .tokens import token_authenticate
+
+
+class SessionCookieAuth(APIKeyCookie):
+    """The admin's session cookie, with CSRF enforced on unsafe methods."""
+
+    param_name = settings.SESSION_COOKIE_NAME
+
+    def authenticate(self, request, key):
+        user = request.user
+        return user if user.is_authenticated and user.is_active else None
+
+
+class TokenAuth(HttpBearer):
+    def authenticate(self, request, token):
+        user = token_authenticate(token)
+        if user is not None:
+            request.user = user
+        return user
+
+
+api = NinjaAPI(
+    title="Chorus Ops API",
+    version="1",
+    description="Operations console for coding agents. Errors: {\"error\": {\"code\", \"message\", \"detail\"}}.",
+    urls_namespace="api",
+    auth=[SessionCookieAuth(), TokenAuth()],
+)
+
+
+def error_response(request, code: str, message: str, status: int, detail: dict | None = None):
+    return api.create_response(request, {"error": {"code": code, "message": message, "detail": detail or {}}},
+                               status=status)
+
+
+@api.exception_handler(ApplicationError)
+def _application_error(request, exc: ApplicationError):
+    return error_response(request, exc.code, exc.message, exc.status, exc.detail)
+
+
+@api.exception_handler(ValidationError)
+def _validation_error(request, exc: ValidationError):
+    return error_response(request, "validation_error", "request did not validate", 422, {"errors": exc.errors})
+
+
+@api.exception_handler(AuthenticationError)
+def _auth_error(request, exc):
+    return error_response(request, "unauthorized", "authentication required (session cookie or Bearer token)", 401)
+
+
+@api.exception_handler(Http404)
+def _not_found(request, exc):
+    return error_response(request, "not_found", "not found", 404)
+
+
+@api.exception_handler(HttpError)
+def _http_error(request, exc: HttpError):
+    code = {400: "bad_request", 401: "unauthorized", 403: "forbidden", 404: "not_found"}.get(exc.status_code, "error")
+    return error_response(request, code, str(exc), exc.status_code)
+
+
+class ErrorBody(Schema):
+    class Inner(Schema):
+        code: str
+        message: str
+        detail: dict
+
+    error: Inner
+
+
+def require_ops(request):
+    """Users without an ops role learn nothing: the objects do not exist for them (404)."""
+    if not has_ops_role(request.auth):
+        raise ApplicationError("not_found", "not found")
+    return request.auth
+
+
+def require_perm(request, perm: str):
+    user = require_ops(request)
+    if not user.has_perm(perm):
+        raise ApplicationError("forbidden", "your role does not allow this action", {"permission": perm})
+    return user
+
+
+# ---------------------------------------------------------------- cursor pagination
+MAX_LIMIT = 200
+
+
+def _encode_cursor(value) -> str:
+    return base64.urlsafe_b64encode(str(value).encode()).decode().rstrip("=")
+
+
+def _decode_cursor(cursor: str) -> str:
+    try:
+        return base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4)).decode()
+    except (binascii.Error, ValueError, UnicodeDecodeError):
+        raise ApplicationError("bad_request", "malformed cursor") from None
+
+
+def paginate(qs: QuerySet, *, limit: int, cursor: str | None, field: str = "id", descending: bool = True,
+             serialize=None) -> dict:
+    """Keyset pagination on a unique, indexed field; the cursor is opaque to clients."""
+    if not 1 <= limit <= MAX_LIMIT:
+        raise ApplicationError("bad_request", f"limit must be between 1 and {MAX_LIMIT}")
+    qs = qs.order_by(f"-{field}" if descending else field)
+    if cursor:
+        raw = _decode_cursor(cursor)
+        lookup = f"{field}__lt" if descending else f"{field}__gt"
+        try:
+            qs = qs.filter(**{lookup: raw})
+        except (ValueError, TypeError, Exception) as exc:  # malformed uuid/int inside the cursor
+            if isinstance(exc, ApplicationError):
+                raise
+            raise ApplicationError("bad_request", "malformed cursor") from None
+    try:
+        rows = list(qs[: limit + 1])
+    except (ValueError, TypeError):
+        raise ApplicationError("bad_request", "malformed cursor") from None
+    next_cursor = _encode_cursor(getattr(rows[limit - 1], field)) if len(rows) > limit else None
+    rows = rows[:limit]
+    return {"items": [serialize(r) for r in rows] if serialize else rows, "next_cursor": next_cursor}
+
+
+def filter_or_400(filterset_class, params, queryset):
+    filterset = filterset_class(params, queryset=queryset)
+    if not filterset.is_valid():
+        raise ApplicationError("bad_request", "invalid filter", {"errors": filterset.errors.get_json_data()})
+    return filterset.qs
+
+
+def register_routers():
+    from executions.api import router as executions_router
+    from sessions_app.api import router as sessions_router
+
+    from .events_api import router as events_router
+
+    api.add_router("/", sessions_router)
+    api.add_router("/", executions_router)
+    api.add_router("/", events_router)
+
+
+register_routers()

@@ -1,0 +1,28 @@
+"""ASGI entry point: HTTP (admin, API, SSE) and WebSocket (/ws/live/, /ws/daemon/)."""
+
+import os
+
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "chorus_site.settings")
+
+from django.core.asgi import get_asgi_application  # noqa: E402
+
+django_http = get_asgi_application()
+
+from channels.auth import AuthMiddlewareStack  # noqa: E402
+from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
+from channels.security.websocket import AllowedHostsOriginValidator  # noqa: E402
+from django.conf import settings  # noqa: E402
+
+from chorus_site.routing import websocket_urlpatterns  # noqa: E402
+
+if settings.CHORUS_SERVE_STATIC:
+    from django.contrib.staticfiles.handlers import ASGIStaticFilesHandler
+
+    django_http = ASGIStaticFilesHandler(django_http)
+
+application = ProtocolTypeRouter(
+    {
+        "http": django_http,
+        "websocket": AllowedHostsOriginValidator(AuthMiddlewareStack(URLRouter(websocket_urlpatterns))),
+    }
+)

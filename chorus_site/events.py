@@ -1,0 +1,138 @@
+"""The event log (SPEC §3.3, §10): append in the transaction of the change, broadcast after commit.
+
+Appending takes the stream's counter row lock before inserting, so within one stream both ``seq``
+and ``id`` grow in commit order: a reader holding a cursor never misses an event of that stream.
+Live delivery through the channel layer is only a wake-up; readers catch up from the log.
+"""
+
+from __future__ import annotations
+
+import logging
+from datetime import timedelta
+
+from asgiref.sync import async_to_sync
+from channels.layers import get_channel_layer
+from django.conf import settings
+from django.db import connection, transaction
+from django.utils import timezone
+
+from .errors import ApplicationError
+from .models import Event, EventStream
+
+log = logging.getLogger(__name__)
+
+DASHBOARD_GROUP = "dashboard"
+STREAM_KINDS = ("session", "run", "connection")
+
+
+def stream_group(stream: str) -> str:
+    """Channel-layer group names allow only [a-zA-Z0-9-_.]."""
+    return "stream." + stream.replace(":", ".")
+
+
+def _next_seq(stream: str) -> int:
+    # One statement on PostgreSQL and SQLite alike: create-or-increment, holding the row lock
+    # until commit, which orders concurrent appenders of the same stream.
+    table = EventStream._meta.db_table
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"INSERT INTO {table} (name, last_seq, last_event_id, purged_through_id) VALUES (%s, 1, 0, 0) "
+            f"ON CONFLICT (name) DO UPDATE SET last_seq = {table}.last_seq + 1 RETURNING last_seq",
+            [stream],
+        )
+        return cursor.fetchone()[0]
+
+
+def event_append(*, stream: str, kind: str, data: dict | None = None, actor: str = "", broadcast: bool = True) -> Event:
+    """Append one event; must run inside the transaction of the change it records."""
+    with transaction.atomic():
+        seq = _next_seq(stream)
+        event = Event.objects.create(
+            stream=stream, seq=seq, kind=kind, data=data or {}, actor=actor or "", at=timezone.now()
+        )
+        EventStream.objects.filter(name=stream).update(last_event_id=event.id)
+    if broadcast:
+        message = event.as_message()
+        transaction.on_commit(lambda: broadcast_event(message))
+    return event
+
+
+def broadcast_event(message: dict) -> None:
+    layer = get_channel_layer()
+    if layer is None:
+        return
+    payload = {"type": "event.message", "event": message}
+    try:
+        async_to_sync(layer.group_send)(stream_group(message["stream"]), payload)
+        async_to_sync(layer.group_send)(DASHBOARD_GROUP, payload)
+    except Exception:  # the log is the truth; a lost wake-up is caught up by cursor
+        log.warning("broadcast of event %s failed", message["id"], exc_info=True)
+
+
+def parse_cursor(raw) -> int | None:
+    """None for absent; 400 ``cursor_invalid`` for anything but a non-negative integer."""
+    if raw is None or raw == "":
+        return None
+    text = str(raw).strip()
+    if not text.isdigit() or len(text) > 19:
+        raise ApplicationError("cursor_invalid", f"cursor {str(raw)[:40]!r} is not a valid event cursor")
+    return int(text)
+
+
+def check_cursor(stream: str, cursor: int) -> None:
+    """Raise the §10 errors for a cursor that cannot be resumed on ``stream``."""
+    state = EventStream.objects.filter(name=stream).first()
+    last_id = state.last_event_id if state else 0
+    purged_through = state.purged_through_id if state else 0
+    if cursor == 0:
+        if purged_through:
+            raise ApplicationError(
+                "cursor_expired", "events of this stream from the beginning have passed retention; reload the snapshot",
+                {"oldest_available_after": purged_through},
+            )
+        return
+    owner = Event.objects.filter(pk=cursor).values_list("stream", flat=True).first()
+    if owner is not None and owner != stream:
+        raise ApplicationError("cursor_invalid", "cursor belongs to another stream", {"stream": stream})
+    if owner is None:
+        if cursor > last_id and cursor > (Event.objects.order_by("-id").values_list("id", flat=True).first() or 0):
+            raise ApplicationError("cursor_ahead", "cursor is beyond the newest event", {"newest": last_id})
+        if cursor <= purged_through:
+            raise ApplicationError(
+                "cursor_expired", "cursor is older than the retention window; reload the snapshot",
+                {"oldest_available_after": purged_through},
+            )
+        raise ApplicationError("cursor_invalid", "cursor does not belong to this stream", {"stream": stream})
+    if cursor > last_id:
+        raise ApplicationError("cursor_ahead", "cursor is beyond the newest event", {"newest": last_id})
+
+
+def events_after(stream: str, cursor: int | None, *, limit: int = 500) -> list[Event]:
+    """Stored events of ``stream`` after ``cursor`` (validated), oldest first."""
+    if cursor is None:
+        cursor = 0
+    check_cursor(stream, cursor)
+    return list(Event.objects.filter(stream=stream, id__gt=cursor).order_by("id")[:limit])
+
+
+def stream_head(stream: str) -> int:
+    return EventStream.objects.filter(name=stream).values_list("last_event_id", flat=True).first() or 0
+
+
+def events_purge_expired(*, now=None, batch: int = 10_000) -> int:
+    """Delete events past retention, recording per stream how far it was purged."""
+    cutoff = (now or timezone.now()) - timedelta(days=settings.CHORUS_EVENT_RETENTION_DAYS)
+    deleted = 0
+    while True:
+        with transaction.atomic():
+            rows = list(Event.objects.filter(at__lt=cutoff).order_by("id").values_list("id", "stream")[:batch])
+            if not rows:
+                return deleted
+            highest: dict[str, int] = {}
+            for event_id, stream in rows:
+                highest[stream] = max(highest.get(stream, 0), event_id)
+            for stream, event_id in highest.items():
+                EventStream.objects.filter(name=stream, purged_through_id__lt=event_id).update(
+                    purged_through_id=event_id
+                )
+            deleted += Event.objects.filter(id__in=[r[0] for r in rows]).delete()[0]

@@ -1,0 +1,7 @@
+from django.apps import AppConfig
+
+
+class ExecutionsConfig(AppConfig):
+    name = "executions"
+    verbose_name = "Executions"
+    default_auto_field = "django.db.models.BigAutoField"

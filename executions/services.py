@@ -1,0 +1,160 @@
+"""Writers of executions state (SPEC §3.2). Every state change goes through ``transition``."""
+
+from __future__ import annotations
+
+import hashlib
+
+from django.db import transaction
+from django.db.models import F
+from django.utils import timezone
+
+from chorus_site.audit import actor_name
+from chorus_site.errors import ApplicationError
+from chorus_site.events import event_append
+from chorus_site.transitions import transition
+
+from . import states
+from .models import AgentTask, Approval, Artifact, Attempt, Comment, Issue, Run, RunNode
+
+
+def _run_stream_of(model, pk) -> str:
+    lookups = {
+        Run: "id",
+        RunNode: "run_id",
+        AgentTask: "node__run_id",
+        Attempt: "task__node__run_id",
+    }
+    run_id = model.objects.filter(pk=pk).values_list(lookups[model], flat=True).first()
+    if run_id is None:
+        raise ApplicationError("not_found", f"{model._meta.verbose_name} {pk} does not exist")
+    return f"run:{run_id}"
+
+
+def _check_version(model, pk, expected_version):
+    if expected_version is None:
+        return
+    current = model.objects.filter(pk=pk).values_list("version", flat=True).first()
+    if current is not None and current != expected_version:
+        raise ApplicationError("version_conflict", f"{model._meta.verbose_name} changed meanwhile",
+                               {"expected_version": expected_version, "current_version": current})
+
+
+def run_set_state(*, run_id, state: str, actor=None, expected_version: int | None = None, **updates) -> Run:
+    _check_version(Run, run_id, expected_version)
+    now = timezone.now()
+    if state == "running":
+        updates.setdefault("started_at", now)
+    if state in states.RUN_TERMINAL:
+        updates.setdefault("completed_at", now)
+    if state not in {"waiting"}:
+        updates.setdefault("wait_reason", "")
+    updates["version"] = F("version") + 1
+    return transition(
+        model=Run, pk=run_id, field="state", table=states.RUN_TRANSITIONS, to=state, stream=f"run:{run_id}",
+        kind="run.state", actor=actor_name(actor), updates=updates,
+        data={"wait_reason": updates.get("wait_reason", "")} if state == "waiting" else None,
+    )
+
+
+def node_set_state(*, node_id, state: str, actor=None, **updates) -> RunNode:
+    return transition(
+        model=RunNode, pk=node_id, field="state", table=states.NODE_TRANSITIONS, to=state,
+        stream=_run_stream_of(RunNode, node_id), kind="node.state", actor=actor_name(actor), updates=updates,
+    )
+
+
+def task_set_status(*, task_id, status: str, actor=None, **updates) -> AgentTask:
+    return transition(
+        model=AgentTask, pk=task_id, field="status", table=states.TASK_TRANSITIONS, to=status,
+        stream=_run_stream_of(AgentTask, task_id), kind="task.status", actor=actor_name(actor), updates=updates,
+    )
+
+
+def attempt_set_state(*, attempt_id, state: str, actor=None, **updates) -> Attempt:
+    now = timezone.now()
+    if state == "running":
+        updates.setdefault("started_at", now)
+    if state in states.ATTEMPT_TERMINAL:
+        updates.setdefault("ended_at", now)
+    return transition(
+        model=Attempt, pk=attempt_id, field="state", table=states.ATTEMPT_TRANSITIONS, to=state,
+        stream=_run_stream_of(Attempt, attempt_id), kind="attempt.state", actor=actor_name(actor), updates=updates,
+    )
+
+
+def issue_set_status(*, issue_id, status: str, actor=None, expected_version: int | None = None) -> Issue:
+    """Issue workflow; ``blocked`` remembers where it came from and may only return there."""
+    _check_version(Issue, issue_id, expected_version)
+    with transaction.atomic():
+        issue = Issue.objects.select_for_update().filter(pk=issue_id).first()
+        if issue is None:
+            raise ApplicationError("not_found", f"issue {issue_id} does not exist")
+        updates = {"version": F("version") + 1}
+        expected_from = None
+        if status == "blocked":
+            updates["status_before_blocked"] = issue.status
+        elif issue.status == "blocked" and status != "cancelled":
+            if status != issue.status_before_blocked:
+                raise ApplicationError(
+                    "invalid_transition", f"a blocked issue returns to {issue.status_before_blocked}, not {status}",
+                    {"from": "blocked", "to": status, "allowed": [issue.status_before_blocked, "cancelled"]},
+                )
+            updates["status_before_blocked"] = ""
+        return transition(
+            model=Issue, pk=issue_id, field="status", table=states.ISSUE_TRANSITIONS, to=status,
+            stream=f"issue:{issue_id}", kind="issue.status", actor=actor_name(actor), updates=updates,
+            expected_from=expected_from,
+        )
+
+
+def approval_set_status(*, approval_id, status: str, actor=None, expected_version: int | None = None,
+                        reason: str = "") -> Approval:
+    _check_version(Approval, approval_id, expected_version)
+    node_run = Approval.objects.filter(pk=approval_id).values_list("node__run_id", flat=True).first()
+    stream = f"run:{node_run}" if node_run else f"approval:{approval_id}"
+    return transition(
+        model=Approval, pk=approval_id, field="status", table=states.APPROVAL_TRANSITIONS, to=status,
+        stream=stream, kind="approval.status", actor=actor_name(actor),
+        updates={"version": F("version") + 1, "decided_at": timezone.now(), "reason": reason,
+                 "decided_by": actor if getattr(actor, "pk", None) else None},
+    )
+
+
+# ---------------------------------------------------------------- creation
+def issue_create(*, title: str, body: str = "", acceptance_criteria: str = "", completion_policy: str = "review",
+                 actor=None) -> Issue:
+    if completion_policy not in states.COMPLETION_POLICIES:
+        raise ApplicationError("bad_request", f"unknown completion policy {completion_policy!r}",
+                               {"allowed": states.COMPLETION_POLICIES})
+    with transaction.atomic():
+        issue = Issue.objects.create(title=title, body=body, acceptance_criteria=acceptance_criteria,
+                                     completion_policy=completion_policy)
+        event_append(stream=f"issue:{issue.id}", kind="issue.created", actor=actor_name(actor),
+                     data={"id": str(issue.id), "title": title})
+    return issue
+
+
+def comment_add(*, issue_id, body: str, author: str, type: str = "comment", source_task_id=None,
+                source_attempt_id=None) -> Comment:
+    if type not in states.COMMENT_TYPES:
+        raise ApplicationError("bad_request", f"unknown comment type {type!r}", {"allowed": states.COMMENT_TYPES})
+    with transaction.atomic():
+        comment = Comment.objects.create(issue_id=issue_id, body=body, author=author, type=type,
+                                         source_task_id=source_task_id, source_attempt_id=source_attempt_id)
+        event_append(stream=f"issue:{issue_id}", kind="comment.added",
+                     data={"id": str(comment.id), "type": type, "author": author})
+    return comment
+
+
+def artifact_add(*, issue_id, kind: str, name: str, content: str, run_id=None, attempt_id=None) -> Artifact:
+    if kind not in states.ARTIFACT_KINDS:
+        raise ApplicationError("bad_request", f"unknown artifact kind {kind!r}", {"allowed": states.ARTIFACT_KINDS})
+    raw = content.encode()
+    with transaction.atomic():
+        artifact = Artifact.objects.create(issue_id=issue_id, run_id=run_id, attempt_id=attempt_id, kind=kind,
+                                           name=name, content=content, sha256=hashlib.sha256(raw).hexdigest(),
+                                           size=len(raw))
+        if run_id:
+            event_append(stream=f"run:{run_id}", kind="artifact.added",
+                         data={"id": str(artifact.id), "name": name, "kind": kind})
+    return artifact

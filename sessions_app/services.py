@@ -1,0 +1,236 @@
+"""Writers of sessions_app state (SPEC §3.1). Every status change goes through ``transition``."""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import secrets
+
+from django.db import transaction
+from django.db.models import F, Max
+from django.utils import timezone
+
+from chorus_site.audit import actor_name
+from chorus_site.errors import ApplicationError
+from chorus_site.events import event_append
+from chorus_site.redaction import redact
+from chorus_site.transitions import transition
+
+from . import states
+from .models import Connection, ControlCommand, Session, TranscriptMessage, Turn
+
+WAKE_ERROR_DETAILS_MAX = 64 * 1024
+_ANSI = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]|\x1b\][^\x07]*\x07")
+
+GENERIC_WAKE_SUMMARY = "The agent stopped without leaving a diagnostic message."
+
+
+# ---------------------------------------------------------------- connections
+def connection_key_hash(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def connection_register(
+    *, name: str, backend: str, cwds: list[str], host: str = "", max_concurrency: int = 4,
+    sigint_timeout_s: int = 10, actor=None,
+) -> tuple[Connection, str]:
+    """Register a daemon's connection; the key is returned once and stored hashed."""
+    if backend not in states.BACKENDS:
+        raise ApplicationError("bad_request", f"unknown backend {backend!r}", {"allowed": states.BACKENDS})
+    if not cwds or not all(isinstance(c, str) and c.startswith("/") for c in cwds):
+        raise ApplicationError("bad_request", "cwds must be a non-empty list of absolute paths")
+    prefix = secrets.token_hex(4)
+    key = f"chk_{prefix}_{secrets.token_urlsafe(32)}"
+    with transaction.atomic():
+        connection = Connection.objects.create(
+            name=name, backend=backend, cwds=cwds, host=host, max_concurrency=max_concurrency,
+            sigint_timeout_s=sigint_timeout_s, key_prefix=prefix, key_hash=connection_key_hash(key),
+        )
+        event_append(stream=f"connection:{connection.id}", kind="connection.registered",
+                     data={"id": str(connection.id), "name": name, "backend": backend}, actor=actor_name(actor))
+    return connection, key
+
+
+def connection_set_status(*, connection_id, status: str, actor=None, **updates) -> Connection:
+    return transition(
+        model=Connection, pk=connection_id, field="status", table=states.CONNECTION_TRANSITIONS, to=status,
+        stream=f"connection:{connection_id}", kind="connection.status", actor=actor_name(actor), updates=updates,
+    )
+
+
+# ---------------------------------------------------------------- sessions
+def cwd_allowed(connection: Connection, cwd: str) -> bool:
+    cwd = cwd.rstrip("/") or "/"
+    for root in connection.cwds:
+        root = root.rstrip("/") or "/"
+        if cwd == root or cwd.startswith(root + "/") or root == "/":
+            return True
+    return False
+
+
+def session_create(
+    *, connection: Connection, cwd: str, idea_key: str, title: str = "", actor=None, handoff_from=None,
+    backend_session_id: str | None = None, provider: str = "", model: str = "",
+) -> Session:
+    if not cwd_allowed(connection, cwd):
+        raise ApplicationError(
+            "bad_request", f"cwd {cwd!r} is not inside the connection's allowed directories",
+            {"cwd": cwd, "allowed": connection.cwds},
+        )
+    with transaction.atomic():
+        if Session.objects.filter(idea_key=idea_key, status=states.SESSION_ACTIVE).exists():
+            raise ApplicationError("conflict", f"an active session already exists for idea key {idea_key!r}",
+                                   {"idea_key": idea_key})
+        session = Session.objects.create(
+            connection=connection, cwd=cwd, idea_key=idea_key, title=title or idea_key, backend=connection.backend,
+            created_by=actor if getattr(actor, "pk", None) else None, handoff_from=handoff_from,
+            backend_session_id=backend_session_id, provider=provider, model=model,
+        )
+        event_append(stream=session.stream, kind="session.created", actor=actor_name(actor),
+                     data={"id": str(session.id), "connection": str(connection.id), "cwd": cwd, "idea_key": idea_key})
+    return session
+
+
+def session_set_status(*, session_id, status: str, actor=None) -> Session:
+    return transition(
+        model=Session, pk=session_id, field="status", table=states.SESSION_TRANSITIONS, to=status,
+        stream=f"session:{session_id}", kind="session.status", actor=actor_name(actor),
+    )
+
+
+def session_add_usage(*, session_id, usage: dict) -> None:
+    Session.objects.filter(pk=session_id).update(
+        tokens_input=F("tokens_input") + int(usage.get("input", 0) or 0),
+        tokens_output=F("tokens_output") + int(usage.get("output", 0) or 0),
+        tokens_cache_read=F("tokens_cache_read") + int(usage.get("cache_read", 0) or 0),
+        tokens_cache_write=F("tokens_cache_write") + int(usage.get("cache_write", 0) or 0),
+    )
+
+
+def transcript_append(*, session_id, role: str, text: str, turn_id=None) -> TranscriptMessage:
+    """Append a message and keep only the newest WINDOW messages of the session."""
+    message = TranscriptMessage.objects.create(session_id=session_id, role=role, text=redact(text), turn_id=turn_id)
+    cutoff = (TranscriptMessage.objects.filter(session_id=session_id).order_by("-id")
+              .values_list("id", flat=True)[TranscriptMessage.WINDOW:TranscriptMessage.WINDOW + 1].first())
+    if cutoff is not None:
+        TranscriptMessage.objects.filter(session_id=session_id, id__lte=cutoff).delete()
+    return message
+
+
+# ---------------------------------------------------------------- turns
+def turn_create(*, session: Session, trigger: str, prompt: str, actor=None, attempt_id=None) -> Turn:
+    """A new pending turn with the next seq of its session (session row locked for the choice)."""
+    if trigger not in states.TRIGGERS:
+        raise ApplicationError("bad_request", f"unknown trigger {trigger!r}", {"allowed": states.TRIGGERS})
+    with transaction.atomic():
+        Session.objects.select_for_update().filter(pk=session.pk).values("pk").first()
+        seq = (Turn.objects.filter(session=session).aggregate(m=Max("seq"))["m"] or 0) + 1
+        turn = Turn.objects.create(session=session, seq=seq, trigger=trigger, prompt=redact(prompt),
+                                   attempt_id=attempt_id)
+        Session.objects.filter(pk=session.pk).update(last_turn_at=timezone.now())
+        event_append(stream=session.stream, kind="turn.created", actor=actor_name(actor),
+                     data={"id": str(turn.id), "seq": seq, "trigger": trigger, "status": turn.status})
+    return turn
+
+
+def wake_error_build(
+    *, kind: str, summary: str | None = None, source: str = "", details: str | None = None,
+    exit_code: int | None = None, signal: str | None = None,
+) -> dict:
+    """Normalise a wake error: ANSI stripped, tail kept (≤64 KiB), secrets masked before storage."""
+    if kind not in states.WAKE_ERROR_KINDS:
+        raise ApplicationError("bad_request", f"unknown wake error kind {kind!r}", {"allowed": states.WAKE_ERROR_KINDS})
+    clean = _ANSI.sub("", details or "")
+    clean = redact(clean) or ""
+    encoded = clean.encode()
+    if len(encoded) > WAKE_ERROR_DETAILS_MAX:
+        clean = encoded[-WAKE_ERROR_DETAILS_MAX:].decode("utf-8", errors="ignore")
+    return {
+        "summary": redact(summary) if summary else GENERIC_WAKE_SUMMARY,
+        "kind": kind,
+        "source": source,
+        "details": clean,
+        "exit_code": exit_code,
+        "signal": signal,
+    }
+
+
+def turn_set_status(
+    *, turn_id, status: str, actor=None, reason: str | None = None, wake_error: dict | None = None,
+    stop_state: str | None = None, from_daemon: bool = False, data: dict | None = None, **fields,
+) -> Turn:
+    """Move a turn along its state machine (SPEC §3.1) with the rules attached to each status."""
+    updates = dict(fields)
+    now = timezone.now()
+    if status == states.INTERRUPTED:
+        if reason not in states.INTERRUPTED_REASONS:
+            raise ApplicationError("bad_request", "an interrupted turn needs a reason",
+                                   {"allowed": states.INTERRUPTED_REASONS})
+        if from_daemon and reason not in states.DAEMON_REPORTABLE_REASONS:
+            raise ApplicationError("bad_request", f"a daemon may not report reason {reason!r}")
+        updates["interrupted_reason"] = reason
+        if wake_error and reason in states.WAKE_ERROR_REASONS:
+            # A repeated terminal report keeps the first error: the transition below refuses it.
+            updates["wake_error"] = wake_error_build(**wake_error)
+        elif reason in states.WAKE_ERROR_REASONS:
+            updates["wake_error"] = wake_error_build(kind=_default_wake_kind(reason))
+    elif reason:
+        raise ApplicationError("bad_request", "only an interrupted turn has a reason")
+    if status == states.RUNNING:
+        updates.setdefault("started_at", now)
+    if status in states.TURN_TERMINAL:
+        updates.setdefault("ended_at", now)
+    if stop_state is not None:
+        updates["stop_state"] = stop_state
+    if "final_reply" in updates:
+        updates["final_reply"] = redact(updates["final_reply"]) or ""
+    session_id = Turn.objects.filter(pk=turn_id).values_list("session_id", flat=True).first()
+    if session_id is None:
+        raise ApplicationError("not_found", f"turn {turn_id} does not exist")
+    event_data = {"session": str(session_id), **(data or {})}
+    if status == states.INTERRUPTED:
+        event_data["interrupted_reason"] = reason
+    if stop_state is not None:
+        event_data["stop_state"] = stop_state
+    with transaction.atomic():
+        turn = transition(
+            model=Turn, pk=turn_id, field="status", table=states.TURN_TRANSITIONS, to=status,
+            stream=f"session:{session_id}", kind="turn.status", actor=actor_name(actor), updates=updates,
+            data=event_data,
+        )
+        Session.objects.filter(pk=session_id).update(last_turn_at=now)
+    return turn
+
+
+def _default_wake_kind(reason: str) -> str:
+    return {states.REASON_INVALID_PATH: "invalid_path", states.REASON_TIMEOUT: "timeout"}.get(reason, "exited_nonzero")
+
+
+def turn_set_stop_state(*, turn_id, stop_state: str, actor=None, **updates) -> Turn:
+    session_id = Turn.objects.filter(pk=turn_id).values_list("session_id", flat=True).first()
+    return transition(
+        model=Turn, pk=turn_id, field="stop_state", table=states.STOP_TRANSITIONS, to=stop_state,
+        stream=f"session:{session_id}", kind="turn.stop_state", actor=actor_name(actor), updates=updates,
+        data={"session": str(session_id)},
+    )
+
+
+# ---------------------------------------------------------------- control commands
+def command_create(*, connection_id, action: str, turn_id=None, payload: dict | None = None,
+                   expires_at=None) -> ControlCommand:
+    if action not in states.COMMAND_ACTIONS:
+        raise ApplicationError("bad_request", f"unknown command {action!r}")
+    with transaction.atomic():
+        command = ControlCommand.objects.create(connection_id=connection_id, action=action, turn_id=turn_id,
+                                                payload=payload or {}, expires_at=expires_at)
+        event_append(stream=f"connection:{connection_id}", kind="command.created",
+                     data={"id": str(command.id), "action": action, "turn": str(turn_id) if turn_id else None})
+    return command
+
+
+def command_set_state(*, command_id, state: str, **updates) -> ControlCommand:
+    connection_id = ControlCommand.objects.filter(pk=command_id).values_list("connection_id", flat=True).first()
+    return transition(
+        model=ControlCommand, pk=command_id, field="state", table=states.COMMAND_TRANSITIONS, to=state,
+        stream=f"connection:{connection_id}", kind="command.state", updates=updates,
+    )
