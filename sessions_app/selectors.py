@@ -1,0 +1,175 @@
+"""Reads of sessions_app: querysets with their joins, permission-aware serialisation."""
+
+from __future__ import annotations
+
+import shlex
+from datetime import timedelta
+
+from django.db.models import QuerySet
+from django.utils import timezone
+
+from chorus_site.errors import ApplicationError
+from chorus_site.permissions import can_view_diagnostics
+from chorus_site.redaction import redact
+
+from . import states
+from .models import Connection, Session, TranscriptMessage, Turn
+
+HEARTBEAT_STALE_AFTER = timedelta(seconds=30)
+
+# §4.5: the command an operator runs in the session's directory to continue in a terminal.
+TAKEOVER_COMMANDS = {
+    "claude_code": "claude --resume {id}",
+    "codex": "codex exec resume {id}",
+    "kiro": "kiro-cli chat --resume-id {id}",
+    "scripted": "python -m agents.scripted_agent --resume {id}",
+}
+
+
+def connections_qs() -> QuerySet:
+    return Connection.objects.all()
+
+
+def sessions_qs() -> QuerySet:
+    return Session.objects.select_related("connection", "created_by", "handoff_from").prefetch_related("handoff_to")
+
+
+def turns_qs() -> QuerySet:
+    return Turn.objects.select_related("session")
+
+
+def get_or_404(qs: QuerySet, pk):
+    try:
+        obj = qs.filter(pk=pk).first()
+    except (ValueError, TypeError):
+        obj = None
+    if obj is None:
+        raise ApplicationError("not_found", "not found")
+    return obj
+
+
+def takeover_for(session: Session) -> dict | None:
+    template = TAKEOVER_COMMANDS.get(session.backend)
+    if not template or not session.backend_session_id:
+        return None  # never fall back to a portal id
+    return {
+        "backend_session_id": session.backend_session_id,
+        "cwd": session.cwd,
+        "command": f"cd {shlex.quote(session.cwd)} && " + template.format(id=shlex.quote(session.backend_session_id)),
+    }
+
+
+def connection_out(c: Connection) -> dict:
+    return {
+        "id": c.id, "name": c.name, "host": c.host, "backend": c.backend, "cwds": c.cwds, "status": c.status,
+        "max_concurrency": c.max_concurrency, "sigint_timeout_s": c.sigint_timeout_s,
+        "last_heartbeat_at": c.last_heartbeat_at, "daemon_version": c.daemon_version,
+        "capabilities": c.capabilities, "created_at": c.created_at,
+    }
+
+
+def session_out(s: Session, *, detail: bool = False) -> dict:
+    try:
+        handoff_to = s.handoff_to.id
+    except Session.DoesNotExist:
+        handoff_to = None
+    out = {
+        "id": s.id, "idea_key": s.idea_key, "title": s.title, "connection_id": s.connection_id,
+        "connection_name": s.connection.name, "cwd": s.cwd, "backend": s.backend,
+        "backend_session_id": s.backend_session_id, "provider": s.provider, "model": s.model, "status": s.status,
+        "last_turn_at": s.last_turn_at,
+        "tokens": {"input": s.tokens_input, "output": s.tokens_output, "cache_read": s.tokens_cache_read,
+                   "cache_write": s.tokens_cache_write},
+        "created_at": s.created_at, "created_by": s.created_by.get_username() if s.created_by else None,
+        "handoff_from": s.handoff_from_id, "handoff_to": handoff_to,
+    }
+    if detail:
+        out["takeover"] = takeover_for(s)
+    return out
+
+
+def wake_error_out(wake_error: dict | None, *, with_details: bool) -> dict | None:
+    if not wake_error:
+        return None
+    return {
+        "summary": wake_error.get("summary") or "",
+        "kind": wake_error.get("kind") or "",
+        "source": wake_error.get("source") or "",
+        "exit_code": wake_error.get("exit_code"),
+        "signal": wake_error.get("signal"),
+        "details": wake_error.get("details") if with_details else None,
+        "details_withheld": not with_details,
+    }
+
+
+def turn_out(t: Turn, *, with_details: bool = False) -> dict:
+    return {
+        "id": t.id, "session_id": t.session_id, "seq": t.seq, "trigger": t.trigger, "prompt": t.prompt,
+        "status": t.status, "interrupted_reason": t.interrupted_reason, "stop_state": t.stop_state,
+        "wake_error": wake_error_out(t.wake_error, with_details=with_details),
+        "interrupt_evidence": t.interrupt_evidence, "usage": t.usage, "attempt_id": t.attempt_id,
+        "created_at": t.created_at, "started_at": t.started_at, "ended_at": t.ended_at,
+        "final_reply": t.final_reply, "changes": t.changes, "background_processes": t.background_processes,
+        "requires_action": t.requires_action,
+    }
+
+
+def turn_diagnostics(t: Turn, *, for_sharing: bool) -> dict:
+    wake_error = dict(t.wake_error) if t.wake_error else None
+    if wake_error and for_sharing:
+        wake_error["details"] = redact(wake_error.get("details") or "")
+    return {"turn_id": t.id, "status": t.status, "interrupted_reason": t.interrupted_reason,
+            "wake_error": wake_error, "redacted_for_sharing": for_sharing}
+
+
+def transcript_qs(session_id) -> QuerySet:
+    return TranscriptMessage.objects.filter(session_id=session_id)
+
+
+def transcript_out(m: TranscriptMessage) -> dict:
+    return {"id": m.id, "turn_id": m.turn_id, "role": m.role, "text": m.text, "at": m.at}
+
+
+def connection_is_live(c: Connection, now=None) -> bool:
+    now = now or timezone.now()
+    return (c.status == states.CONN_ONLINE and c.last_heartbeat_at is not None
+            and now - c.last_heartbeat_at <= HEARTBEAT_STALE_AFTER)
+
+
+def resume_preflight(session: Session) -> dict:
+    """What an operator should know before resuming (§4.3); computed, changes nothing."""
+    from .services import cwd_allowed
+
+    now = timezone.now()
+    last = session.turns.order_by("-seq").first()
+    online = connection_is_live(session.connection, now)
+    refusal = None
+    resumable_reasons = {states.REASON_USER, states.REASON_CRASH, states.REASON_TIMEOUT, states.REASON_SHUTDOWN}
+    if last is None:
+        refusal = "the session has no turn to resume"
+    elif last.status == states.REQUIRES_ACTION:
+        items = (last.requires_action or {}).get("items") or []
+        if any(not item.get("answered") for item in items):
+            refusal = "the latest turn has unanswered required actions"
+    elif not (last.status == states.INTERRUPTED and last.interrupted_reason in resumable_reasons):
+        refusal = f"the latest turn is {last.status_label}, which cannot be resumed"
+    if refusal is None and not online:
+        refusal = "the original connection is offline: restore the daemon first"
+    return {
+        "session_id": session.id,
+        "resumable": refusal is None,
+        "refusal": refusal,
+        "connection_status": session.connection.status,
+        "connection_online": online,
+        "cwd": session.cwd,
+        "cwd_allowed": cwd_allowed(session.connection, session.cwd),
+        "backend_session_id_present": bool(session.backend_session_id),
+        "last_turn_status": last.status if last else None,
+        "last_turn_reason": (last.interrupted_reason or None) if last else None,
+        "last_turn_age_s": (now - (last.ended_at or last.created_at)).total_seconds() if last else None,
+        "files_changed_since": (last.changes or {}) if last else {},
+    }
+
+
+def diagnostics_visible(user) -> bool:
+    return can_view_diagnostics(user)

@@ -1,0 +1,84 @@
+"""Shared fixtures: the five personas of SPEC §7 and small helpers every test module may use.
+
+The role groups come from the data migration ``chorus_site/migrations/0002_roles.py``.  A
+``transaction=True`` test flushes every table when it ends (groups included), so a later test
+may find them gone: ``role_group`` then recreates them with the same ``roles_sync`` the
+migration uses, instead of failing for a reason that has nothing to do with the test.
+"""
+
+from __future__ import annotations
+
+import pytest
+from django.contrib.auth.models import Group
+
+from chorus_site import permissions
+from tests import factories
+
+PASSWORD = factories.PASSWORD
+
+# fixture name -> (username, role group or None)
+PERSONAS = {
+    "outsider": ("outsider", None),
+    "viewer": ("viewer", permissions.VIEWER),
+    "operator": ("operator", permissions.OPERATOR),
+    "diagnostics_reader": ("diagnostics_reader", permissions.DIAGNOSTICS),
+    "ops_admin_user": ("ops_admin_user", permissions.ADMIN),
+}
+
+
+def role_group(name: str) -> Group:
+    """The role group made by the data migration (recreated if a transactional test flushed it)."""
+    try:
+        return Group.objects.get(name=name)
+    except Group.DoesNotExist:
+        permissions.roles_sync()
+        return Group.objects.get(name=name)
+
+
+def _persona(fixture_name: str):
+    username, role = PERSONAS[fixture_name]
+    groups = [role_group(role)] if role else []
+    return factories.make_user(username=username, groups=groups, is_staff=True, password=PASSWORD)
+
+
+@pytest.fixture
+def outsider(db):
+    """Staff user without any ops role: sees nothing of sessions/executions."""
+    return _persona("outsider")
+
+
+@pytest.fixture
+def viewer(db):
+    return _persona("viewer")
+
+
+@pytest.fixture
+def operator(db):
+    return _persona("operator")
+
+
+@pytest.fixture
+def diagnostics_reader(db):
+    return _persona("diagnostics_reader")
+
+
+@pytest.fixture
+def ops_admin_user(db):
+    return _persona("ops_admin_user")
+
+
+@pytest.fixture
+def personas(outsider, viewer, operator, diagnostics_reader, ops_admin_user):
+    """name -> user for all five personas, for tests parametrised across roles."""
+    return {
+        "outsider": outsider,
+        "viewer": viewer,
+        "operator": operator,
+        "diagnostics_reader": diagnostics_reader,
+        "ops_admin_user": ops_admin_user,
+    }
+
+
+@pytest.fixture
+def persona_password():
+    return PASSWORD
