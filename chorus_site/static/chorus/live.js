@@ -1,0 +1,128 @@
+// Live updates for Chorus Ops admin pages (SPEC §10).  The page names its streams in
+// #chorus-live-streams; badges carry data-live-id / data-live-field and are updated in place.
+// On reconnect each stream is resumed from the last cursor seen, so nothing is missed.
+(function () {
+  "use strict";
+  var config = document.getElementById("chorus-live-streams");
+  var streams = config ? JSON.parse(config.textContent) : [];
+  var indicator = document.getElementById("chorus-live-status");
+  if (!streams.length) { if (indicator) indicator.remove(); return; }
+  var cursors = {};
+  var timeline = document.getElementById("chorus-timeline");
+  if (timeline) {
+    var newest = timeline.querySelector("tr[data-event-id]");
+    if (newest) cursors[timeline.dataset.stream] = Number(newest.dataset.eventId);
+  }
+  var delay = 500;
+
+  function setIndicator(state, text) {
+    if (!indicator) return;
+    indicator.dataset.state = state;
+    indicator.textContent = "live: " + text;
+  }
+
+  function label(field, value, data) {
+    var text = String(value).replace(/_/g, " ");
+    if (field === "status" && value === "interrupted" && data.interrupted_reason) {
+      text += " (" + data.interrupted_reason + ")";
+    }
+    return text;
+  }
+
+  function updateBadges(event) {
+    var data = event.data || {};
+    if (!data.id) return;
+    ["status", "state", "stop_state"].forEach(function (field) {
+      if (data[field] === undefined) return;
+      var nodes = document.querySelectorAll('[data-live-id="' + data.id + '"][data-live-field="' + field + '"]');
+      nodes.forEach(function (node) {
+        node.textContent = label(field, data[field], data);
+        node.className = node.className.replace(/\bchorus-(?!badge\b)[a-z_]+/g, "").trim();
+        node.classList.add("chorus-" + data[field], "chorus-flash");
+        node.dataset.liveValue = data[field];
+        setTimeout(function () { node.classList.remove("chorus-flash"); }, 1500);
+      });
+    });
+  }
+
+  function appendTimeline(event) {
+    if (!timeline || timeline.dataset.stream !== event.stream) return;
+    if (timeline.querySelector('tr[data-event-id="' + event.id + '"]')) return;
+    var body = timeline.tBodies[0];
+    var empty = body.querySelector(".chorus-empty");
+    if (empty) empty.remove();
+    var row = document.createElement("tr");
+    row.dataset.eventId = event.id;
+    [String(event.id), event.at.replace("T", " ").slice(0, 19), event.kind, event.actor || "system",
+     JSON.stringify(event.data)].forEach(function (text, i) {
+      var cell = document.createElement("td");
+      var inner = (i === 2 || i === 4) ? document.createElement("code") : cell;
+      inner.textContent = text;
+      if (inner !== cell) { if (i === 4) inner.className = "chorus-data"; cell.appendChild(inner); }
+      row.appendChild(cell);
+    });
+    body.insertBefore(row, body.firstChild);
+  }
+
+  function appendTurn(event) {
+    var table = document.getElementById("chorus-turns");
+    if (!table || event.kind !== "turn.created") return;
+    var data = event.data;
+    if (table.querySelector('[data-turn-id="' + data.id + '"]')) return;
+    var row = document.createElement("tr");
+    row.dataset.turnId = data.id;
+    var link = document.createElement("a");
+    link.href = table.dataset.turnUrl.replace("00000000-0000-0000-0000-000000000000", data.id);
+    link.textContent = "#" + data.seq;
+    var cells = [link, data.trigger, null, "", "", ""];
+    cells.forEach(function (content, i) {
+      var cell = document.createElement("td");
+      if (i === 2) {
+        var badge = document.createElement("span");
+        badge.className = "chorus-badge chorus-" + data.status;
+        badge.dataset.liveId = data.id;
+        badge.dataset.liveField = "status";
+        badge.textContent = data.status;
+        cell.appendChild(badge);
+      } else if (content instanceof Node) { cell.appendChild(content); } else { cell.textContent = content; }
+      row.appendChild(cell);
+    });
+    var body = table.tBodies[0];
+    body.insertBefore(row, body.firstChild);
+  }
+
+  function connect() {
+    var scheme = location.protocol === "https:" ? "wss://" : "ws://";
+    var socket = new WebSocket(scheme + location.host + "/ws/live/");
+    socket.onopen = function () {
+      delay = 500;
+      setIndicator("live", "on");
+      streams.forEach(function (stream) {
+        var message = {type: "subscribe", stream: stream};
+        if (cursors[stream] !== undefined) message.after = cursors[stream];
+        socket.send(JSON.stringify(message));
+      });
+    };
+    socket.onmessage = function (frame) {
+      var message = JSON.parse(frame.data);
+      if (message.type === "subscribed" && message.cursor !== null && cursors[message.stream] === undefined) {
+        cursors[message.stream] = message.cursor;
+      } else if (message.type === "event") {
+        var event = message.event;
+        if (streams.indexOf(event.stream) >= 0) cursors[event.stream] = event.id;
+        updateBadges(event);
+        appendTimeline(event);
+        appendTurn(event);
+        document.dispatchEvent(new CustomEvent("chorus:event", {detail: event}));
+      } else if (message.type === "error") {
+        setIndicator("offline", message.code);
+      }
+    };
+    socket.onclose = function () {
+      setIndicator("offline", "reconnecting");
+      setTimeout(connect, delay);
+      delay = Math.min(delay * 2, 10000);
+    };
+  }
+  connect();
+})();

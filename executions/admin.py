@@ -1,0 +1,194 @@
+"""Executions section of the ops admin (SPEC §3.2): runs with their task map, live."""
+
+from django.contrib import admin
+from django.urls import reverse
+from django.utils.html import format_html
+
+from chorus_site.admin_base import OpsAdmin, live_badge
+
+from . import selectors
+from .models import AgentTask, Approval, Artifact, Attempt, Comment, Issue, Run, RunNode, WorkflowDefinition, WorkflowRevision
+
+
+def _link(obj, label=None):
+    if obj is None:
+        return "–"
+    url = reverse(f"admin:{obj._meta.app_label}_{obj._meta.model_name}_change", args=[obj.pk])
+    return format_html('<a href="{}">{}</a>', url, label or obj)
+
+
+@admin.register(Issue)
+class IssueAdmin(OpsAdmin):
+    list_display = ["title", "status_badge", "completion_policy", "assignee", "updated_at"]
+    list_filter = ["status", "completion_policy"]
+    search_fields = ["title", "=id"]
+    list_select_related = ["assignee"]
+    live_streams = ("dashboard",)
+    editable_fields = ["title", "body", "acceptance_criteria", "completion_policy", "assignee"]
+
+    @admin.display(description="status", ordering="status")
+    def status_badge(self, obj):
+        return live_badge(obj)
+
+    def object_stream(self, obj):
+        return f"issue:{obj.pk}"
+
+    # Operators write issues; status moves only through the workflow services.
+    def has_add_permission(self, request):
+        return request.user.has_perm("executions.add_issue")
+
+    def has_change_permission(self, request, obj=None):
+        return request.user.has_perm("executions.change_issue")
+
+    def get_fields(self, request, obj=None):
+        return self.editable_fields + ([] if obj is None else ["status", "version", "created_at", "updated_at"])
+
+    def get_readonly_fields(self, request, obj=None):
+        return [] if obj is None else ["status", "version", "created_at", "updated_at"]
+
+    def extra_detail_context(self, request, obj):
+        return {"chorus_streams_extra": True}
+
+
+@admin.register(Comment)
+class CommentAdmin(OpsAdmin):
+    list_display = ["issue", "type", "author", "created_at"]
+    list_filter = ["type"]
+    list_select_related = ["issue"]
+    raw_id_fields = ["issue", "source_task", "source_attempt"]
+
+
+@admin.register(Artifact)
+class ArtifactAdmin(OpsAdmin):
+    list_display = ["name", "kind", "issue", "run", "size", "created_at"]
+    list_filter = ["kind"]
+    search_fields = ["name", "=sha256"]
+    list_select_related = ["issue", "run"]
+    raw_id_fields = ["issue", "run", "attempt"]
+    exclude = ["content"]  # raw content is served by the audited API route
+
+    def get_readonly_fields(self, request, obj=None):
+        return [f for f in super().get_readonly_fields(request, obj) if f != "content"]
+
+
+class WorkflowRevisionInline(admin.TabularInline):
+    model = WorkflowRevision
+    extra = 0
+    fields = ["number", "spec", "created_at"]
+    readonly_fields = fields
+    can_delete = False
+
+    def has_add_permission(self, request, obj=None):
+        return False
+
+
+@admin.register(WorkflowDefinition)
+class WorkflowDefinitionAdmin(OpsAdmin):
+    list_display = ["name", "description", "created_at"]
+    search_fields = ["name"]
+    inlines = [WorkflowRevisionInline]
+
+
+@admin.register(WorkflowRevision)
+class WorkflowRevisionAdmin(OpsAdmin):
+    list_display = ["workflow", "number", "created_at"]
+    list_select_related = ["workflow"]
+
+
+@admin.register(Run)
+class RunAdmin(OpsAdmin):
+    list_display = ["short_id", "issue", "mode", "state_badge", "wait_reason", "rerun_of_link", "created_at",
+                    "completed_at"]
+    list_filter = ["state", "mode", "wait_reason"]
+    search_fields = ["=id", "issue__title"]
+    list_select_related = ["issue", "rerun_of"]
+    raw_id_fields = ["issue", "rerun_of", "parent_run", "parent_node", "workflow_revision"]
+    live_streams = ("dashboard",)
+    change_form_template = "admin/executions/run/change_form.html"
+
+    @admin.display(description="run", ordering="id")
+    def short_id(self, obj):
+        return str(obj.pk)[:8]
+
+    @admin.display(description="state", ordering="state")
+    def state_badge(self, obj):
+        return live_badge(obj, "state")
+
+    @admin.display(description="rerun of")
+    def rerun_of_link(self, obj):
+        return _link(obj.rerun_of, str(obj.rerun_of_id)[:8]) if obj.rerun_of_id else "–"
+
+    def object_stream(self, obj):
+        return obj.stream
+
+    def extra_detail_context(self, request, obj):
+        return {"graph": selectors.run_graph(obj), "state_badge": live_badge(obj, "state"),
+                "reruns": list(obj.reruns.all()[:20])}
+
+
+@admin.register(RunNode)
+class RunNodeAdmin(OpsAdmin):
+    list_display = ["key", "run", "type", "state_badge", "wait_reason"]
+    list_filter = ["state", "type"]
+    list_select_related = ["run__issue"]
+    raw_id_fields = ["run"]
+
+    @admin.display(description="state", ordering="state")
+    def state_badge(self, obj):
+        return live_badge(obj, "state")
+
+    def object_stream(self, obj):
+        return f"run:{obj.run_id}"
+
+    def timeline_filter(self, obj):
+        return {"data__id": str(obj.pk)}
+
+
+@admin.register(AgentTask)
+class AgentTaskAdmin(OpsAdmin):
+    list_display = ["id", "node", "ordinal", "status_badge", "retry_of", "leader", "wait_reason"]
+    list_filter = ["status", "leader"]
+    list_select_related = ["node", "retry_of"]
+    raw_id_fields = ["node", "retry_of", "session", "current_attempt"]
+
+    @admin.display(description="status", ordering="status")
+    def status_badge(self, obj):
+        return live_badge(obj)
+
+    def object_stream(self, obj):
+        return f"run:{obj.node.run_id}"
+
+    def timeline_filter(self, obj):
+        return {"data__id": str(obj.pk)}
+
+
+@admin.register(Attempt)
+class AttemptAdmin(OpsAdmin):
+    list_display = ["id", "task", "number", "state_badge", "connection", "backend", "started_at", "ended_at"]
+    list_filter = ["state", "backend"]
+    search_fields = ["=id", "=task__id", "=provider_session_id"]
+    list_select_related = ["task", "connection"]
+    raw_id_fields = ["task", "connection", "session", "turn"]
+    live_streams = ("dashboard",)
+
+    @admin.display(description="state", ordering="state")
+    def state_badge(self, obj):
+        return live_badge(obj, "state")
+
+    def object_stream(self, obj):
+        return f"run:{obj.task.node.run_id}"
+
+    def timeline_filter(self, obj):
+        return {"data__id": str(obj.pk)}
+
+
+@admin.register(Approval)
+class ApprovalAdmin(OpsAdmin):
+    list_display = ["id", "node", "status_badge", "approver_user", "approver_group", "decided_by", "created_at"]
+    list_filter = ["status"]
+    list_select_related = ["node", "approver_user", "approver_group", "decided_by"]
+    raw_id_fields = ["node", "turn"]
+
+    @admin.display(description="status", ordering="status")
+    def status_badge(self, obj):
+        return live_badge(obj)

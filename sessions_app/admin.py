@@ -1,0 +1,160 @@
+"""Sessions section of the ops admin (SPEC §3.1): read views with live badges and timelines."""
+
+from django.contrib import admin, messages
+from django.urls import reverse
+from django.utils.html import format_html
+
+from chorus_site.admin_base import OpsAdmin, live_badge
+from chorus_site.audit import audit_record
+from chorus_site.permissions import can_view_diagnostics
+
+from . import selectors
+from .models import Connection, ControlCommand, Session, TranscriptMessage, Turn
+from .services import connection_register
+
+
+@admin.register(Connection)
+class ConnectionAdmin(OpsAdmin):
+    list_display = ["name", "host", "backend", "status_badge", "last_heartbeat_at", "daemon_version",
+                    "max_concurrency"]
+    list_filter = ["status", "backend"]
+    search_fields = ["name", "host"]
+    live_streams = ("dashboard",)
+    fields_on_add = ["name", "host", "backend", "cwds", "max_concurrency", "sigint_timeout_s"]
+
+    @admin.display(description="status", ordering="status")
+    def status_badge(self, obj):
+        return live_badge(obj)
+
+    def object_stream(self, obj):
+        return f"connection:{obj.pk}"
+
+    # ops_admin registers connections here; the key is shown once, then only its hash is kept.
+    def has_add_permission(self, request):
+        return request.user.has_perm("sessions_app.add_connection")
+
+    def get_fields(self, request, obj=None):
+        return self.fields_on_add if obj is None else super().get_fields(request, obj)
+
+    def get_readonly_fields(self, request, obj=None):
+        return [] if obj is None else super().get_readonly_fields(request, obj)
+
+    def save_model(self, request, obj, form, change):
+        data = form.cleaned_data
+        connection, key = connection_register(
+            name=data["name"], host=data.get("host", ""), backend=data["backend"], cwds=data["cwds"],
+            max_concurrency=data["max_concurrency"], sigint_timeout_s=data["sigint_timeout_s"], actor=request.user,
+        )
+        obj.pk = connection.pk
+        audit_record(actor=request.user, action="connection.register", target=f"connection:{connection.pk}",
+                     outcome="registered", client="admin")
+        messages.warning(request, format_html(
+            "Connection key (shown once, store it now): <code>{}</code> — start the daemon with "
+            "<code>python manage.py chorus_daemon --portal URL --key KEY</code>", key))
+
+    def log_addition(self, request, obj, message):
+        return None  # the audit entry above records it
+
+
+class TurnLinkMixin:
+    @admin.display(description="turn")
+    def turn_link(self, obj):
+        return format_html('<a href="{}">#{}</a>', reverse("admin:sessions_app_turn_change", args=[obj.pk]), obj.seq)
+
+
+@admin.register(Session)
+class SessionAdmin(OpsAdmin):
+    list_display = ["title", "idea_key", "connection", "cwd", "backend", "status_badge", "last_turn_at"]
+    list_filter = ["status", "backend", "connection"]
+    search_fields = ["title", "idea_key", "cwd", "=id", "=backend_session_id"]
+    list_select_related = ["connection"]
+    live_streams = ("dashboard",)
+    change_form_template = "admin/sessions_app/session/change_form.html"
+
+    @admin.display(description="status", ordering="status")
+    def status_badge(self, obj):
+        return live_badge(obj)
+
+    def object_stream(self, obj):
+        return obj.stream
+
+    def extra_detail_context(self, request, obj):
+        return {
+            "turns": list(obj.turns.order_by("-seq")[:50]),
+            "transcript": list(obj.transcript.order_by("-id")[:20])[::-1],
+            "takeover": selectors.takeover_for(obj),
+            "turn_url_template": reverse("admin:sessions_app_turn_change",
+                                         args=["00000000-0000-0000-0000-000000000000"]),
+        }
+
+
+@admin.register(Turn)
+class TurnAdmin(TurnLinkMixin, OpsAdmin):
+    list_display = ["turn_link", "session", "status_badge", "trigger", "interrupted_reason", "stop_state_badge",
+                    "started_at", "ended_at"]
+    list_filter = ["status", "interrupted_reason", "trigger", "stop_state"]
+    search_fields = ["=id", "=session__id"]
+    list_select_related = ["session"]
+    raw_id_fields = ["session"]
+    live_streams = ("dashboard",)
+    change_form_template = "admin/sessions_app/turn/change_form.html"
+    exclude = ["wake_error"]  # shown by the template, details only to ops_diagnostics
+
+    @admin.display(description="status", ordering="status")
+    def status_badge(self, obj):
+        return live_badge(obj, label=obj.status_label)
+
+    @admin.display(description="stop", ordering="stop_state")
+    def stop_state_badge(self, obj):
+        return live_badge(obj, "stop_state")
+
+    def get_readonly_fields(self, request, obj=None):
+        return [f for f in super().get_readonly_fields(request, obj) if f != "wake_error"]
+
+    def object_stream(self, obj):
+        return obj.stream
+
+    def timeline_filter(self, obj):
+        return {"data__id": str(obj.pk)}
+
+    def extra_detail_context(self, request, obj):
+        show_details = bool(obj.wake_error) and can_view_diagnostics(request.user)
+        if show_details:
+            audit_record(actor=request.user, action="diagnostics.view", target=f"turn:{obj.pk}", outcome="shown",
+                         client="admin")
+        return {
+            "wake_error": selectors.wake_error_out(obj.wake_error, with_details=show_details),
+            "status_badge": live_badge(obj, label=obj.status_label),
+            "stop_badge": live_badge(obj, "stop_state"),
+        }
+
+
+@admin.register(TranscriptMessage)
+class TranscriptMessageAdmin(OpsAdmin):
+    list_display = ["session", "role", "short_text", "at"]
+    list_filter = ["role"]
+    list_select_related = ["session"]
+    raw_id_fields = ["session", "turn"]
+
+    @admin.display(description="text")
+    def short_text(self, obj):
+        return obj.text[:120]
+
+
+@admin.register(ControlCommand)
+class ControlCommandAdmin(OpsAdmin):
+    list_display = ["id", "action", "connection", "turn", "state_badge", "created_at", "acked_at"]
+    list_filter = ["action", "state"]
+    list_select_related = ["connection", "turn"]
+    raw_id_fields = ["connection", "turn"]
+    live_streams = ("dashboard",)
+
+    @admin.display(description="state", ordering="state")
+    def state_badge(self, obj):
+        return live_badge(obj, "state")
+
+    def object_stream(self, obj):
+        return f"connection:{obj.connection_id}"
+
+    def timeline_filter(self, obj):
+        return {"data__id": str(obj.pk)}
