@@ -7,7 +7,8 @@ import re
 import secrets
 
 from django.db import transaction
-from django.db.models import F, Max
+from django.db.models import F, Max, Value
+from django.db.models.functions import Coalesce
 from django.utils import timezone
 
 from chorus_site.audit import actor_name
@@ -20,7 +21,9 @@ from . import states
 from .models import Connection, ControlCommand, Session, TranscriptMessage, Turn
 
 WAKE_ERROR_DETAILS_MAX = 64 * 1024
-_ANSI = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]|\x1b\][^\x07]*\x07")
+# CSI (parameters 0x30-0x3F, intermediates, final), OSC ended by BEL or ST, and the other
+# two- and three-byte escapes (charset designation, keypad modes, ...); a stray ESC goes too.
+_ANSI = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)|\x1b[ -/]*[0-~]|\x1b")
 
 GENERIC_WAKE_SUMMARY = "The agent stopped without leaving a diagnostic message."
 
@@ -177,7 +180,8 @@ def turn_set_status(
     elif reason:
         raise ApplicationError("bad_request", "only an interrupted turn has a reason")
     if status == states.RUNNING:
-        updates.setdefault("started_at", now)
+        # Back from requires_action the turn keeps the time it first started.
+        updates.setdefault("started_at", Coalesce(F("started_at"), Value(now)))
     if status in states.TURN_TERMINAL:
         updates.setdefault("ended_at", now)
     if stop_state is not None:
@@ -193,6 +197,9 @@ def turn_set_status(
     if stop_state is not None:
         event_data["stop_state"] = stop_state
     with transaction.atomic():
+        # Lock order session → turn → event stream, as in turn_create: taking the session row last
+        # deadlocks against a concurrent turn_create of the same session.
+        Session.objects.select_for_update().filter(pk=session_id).values("pk").first()
         turn = transition(
             model=Turn, pk=turn_id, field="status", table=states.TURN_TRANSITIONS, to=status,
             stream=f"session:{session_id}", kind="turn.status", actor=actor_name(actor), updates=updates,
