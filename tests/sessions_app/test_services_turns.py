@@ -159,13 +159,14 @@ def test_wake_error_details_have_ansi_sequences_stripped():
         "\x1b]8;;https://example.com/x\x1b\\link text\x1b]8;;\x1b\\\n"  # OSC 8 hyperlink ended by ST
         "\x1b(Bcharset reset\n"                    # charset designation
         "\x1b[>4;2mmodifyOtherKeys\n"              # CSI with '>' parameter
+        "\x1b=keypad and a stray escape\x1b\n"
     )
     stored = interrupt(turn, "crash", wake_error={"kind": "exited_nonzero", "details": details}).wake_error
     assert "\x1b" not in stored["details"]
     assert "\x07" not in stored["details"]
     assert stored["details"] == (
         "red error\ntruecolor\nprogress 100%\nhidden cursor\nafter title\nlink text\ncharset reset\n"
-        "modifyOtherKeys\n"
+        "modifyOtherKeys\nkeypad and a stray escape\n"
     )
 
 
