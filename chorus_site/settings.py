@@ -124,8 +124,9 @@ SECRET_KEY = _secret_key()
 ALLOWED_HOSTS = env_list("DJANGO_ALLOWED_HOSTS", ["127.0.0.1", "localhost", "[::1]"])
 CSRF_TRUSTED_ORIGINS = env_list("DJANGO_CSRF_TRUSTED_ORIGINS", [])
 
-# HTTPS hardening: on by default outside embedded mode, each switchable for a TLS-terminating proxy.
-_https_default = not EMBEDDED and not DEBUG
+# HTTPS hardening: on by default outside embedded mode (DJANGO_HTTPS=0 turns the defaults off, e.g.
+# for tests over plain HTTP); each setting also has its own switch.
+_https_default = env_bool("DJANGO_HTTPS", not EMBEDDED and not DEBUG)
 SECURE_SSL_REDIRECT = env_bool("DJANGO_SECURE_SSL_REDIRECT", _https_default)
 SESSION_COOKIE_SECURE = env_bool("DJANGO_SESSION_COOKIE_SECURE", _https_default)
 CSRF_COOKIE_SECURE = env_bool("DJANGO_CSRF_COOKIE_SECURE", _https_default)

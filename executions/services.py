@@ -5,7 +5,8 @@ from __future__ import annotations
 import hashlib
 
 from django.db import transaction
-from django.db.models import F
+from django.db.models import F, Value
+from django.db.models.functions import Coalesce
 from django.utils import timezone
 
 from chorus_site.audit import actor_name
@@ -31,29 +32,33 @@ def _run_stream_of(model, pk) -> str:
 
 
 def _check_version(model, pk, expected_version):
+    """Call inside the transaction of the change: the row stays locked until it commits, so two
+    callers holding the same version cannot both act (the second sees the new version)."""
     if expected_version is None:
         return
-    current = model.objects.filter(pk=pk).values_list("version", flat=True).first()
+    current = model.objects.select_for_update().filter(pk=pk).values_list("version", flat=True).first()
     if current is not None and current != expected_version:
         raise ApplicationError("version_conflict", f"{model._meta.verbose_name} changed meanwhile",
                                {"expected_version": expected_version, "current_version": current})
 
 
 def run_set_state(*, run_id, state: str, actor=None, expected_version: int | None = None, **updates) -> Run:
-    _check_version(Run, run_id, expected_version)
     now = timezone.now()
     if state == "running":
-        updates.setdefault("started_at", now)
+        # Resumed (from paused or waiting) a run keeps the time it first started.
+        updates.setdefault("started_at", Coalesce(F("started_at"), Value(now)))
     if state in states.RUN_TERMINAL:
         updates.setdefault("completed_at", now)
     if state not in {"waiting"}:
         updates.setdefault("wait_reason", "")
     updates["version"] = F("version") + 1
-    return transition(
-        model=Run, pk=run_id, field="state", table=states.RUN_TRANSITIONS, to=state, stream=f"run:{run_id}",
-        kind="run.state", actor=actor_name(actor), updates=updates,
-        data={"wait_reason": updates.get("wait_reason", "")} if state == "waiting" else None,
-    )
+    with transaction.atomic():
+        _check_version(Run, run_id, expected_version)
+        return transition(
+            model=Run, pk=run_id, field="state", table=states.RUN_TRANSITIONS, to=state, stream=f"run:{run_id}",
+            kind="run.state", actor=actor_name(actor), updates=updates,
+            data={"wait_reason": updates.get("wait_reason", "")} if state == "waiting" else None,
+        )
 
 
 def node_set_state(*, node_id, state: str, actor=None, **updates) -> RunNode:
@@ -73,7 +78,7 @@ def task_set_status(*, task_id, status: str, actor=None, **updates) -> AgentTask
 def attempt_set_state(*, attempt_id, state: str, actor=None, **updates) -> Attempt:
     now = timezone.now()
     if state == "running":
-        updates.setdefault("started_at", now)
+        updates.setdefault("started_at", Coalesce(F("started_at"), Value(now)))
     if state in states.ATTEMPT_TERMINAL:
         updates.setdefault("ended_at", now)
     return transition(
@@ -84,8 +89,8 @@ def attempt_set_state(*, attempt_id, state: str, actor=None, **updates) -> Attem
 
 def issue_set_status(*, issue_id, status: str, actor=None, expected_version: int | None = None) -> Issue:
     """Issue workflow; ``blocked`` remembers where it came from and may only return there."""
-    _check_version(Issue, issue_id, expected_version)
     with transaction.atomic():
+        _check_version(Issue, issue_id, expected_version)
         issue = Issue.objects.select_for_update().filter(pk=issue_id).first()
         if issue is None:
             raise ApplicationError("not_found", f"issue {issue_id} does not exist")
@@ -109,15 +114,16 @@ def issue_set_status(*, issue_id, status: str, actor=None, expected_version: int
 
 def approval_set_status(*, approval_id, status: str, actor=None, expected_version: int | None = None,
                         reason: str = "") -> Approval:
-    _check_version(Approval, approval_id, expected_version)
     node_run = Approval.objects.filter(pk=approval_id).values_list("node__run_id", flat=True).first()
     stream = f"run:{node_run}" if node_run else f"approval:{approval_id}"
-    return transition(
-        model=Approval, pk=approval_id, field="status", table=states.APPROVAL_TRANSITIONS, to=status,
-        stream=stream, kind="approval.status", actor=actor_name(actor),
-        updates={"version": F("version") + 1, "decided_at": timezone.now(), "reason": reason,
-                 "decided_by": actor if getattr(actor, "pk", None) else None},
-    )
+    with transaction.atomic():
+        _check_version(Approval, approval_id, expected_version)
+        return transition(
+            model=Approval, pk=approval_id, field="status", table=states.APPROVAL_TRANSITIONS, to=status,
+            stream=stream, kind="approval.status", actor=actor_name(actor),
+            updates={"version": F("version") + 1, "decided_at": timezone.now(), "reason": reason,
+                     "decided_by": actor if getattr(actor, "pk", None) else None},
+        )
 
 
 # ---------------------------------------------------------------- creation

@@ -1,0 +1,45 @@
+# Chorus Ops — the two commands of the README, plus their building blocks.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+HOST   ?= 127.0.0.1
+PORT   ?= 8000
+
+# Tests run against the production stack: PostgreSQL and Redis on this machine unless told otherwise.
+TEST_DATABASE_URL ?= postgres://root@127.0.0.1:5432/test
+TEST_REDIS_URL    ?= redis://127.0.0.1:6379/0
+
+.PHONY: run test install install-test demo clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+
+$(VENV)/.installed: pyproject.toml | $(BIN)/python
+	$(BIN)/pip install --quiet -e .
+	touch $@
+
+$(VENV)/.installed-test: pyproject.toml | $(BIN)/python
+	$(BIN)/pip install --quiet -e '.[test]'
+	touch $(VENV)/.installed $@
+
+install: $(VENV)/.installed
+install-test: $(VENV)/.installed-test
+
+## run: the portal in embedded mode (SQLite, in-memory channel layer, in-process tasks), demo data loaded
+run: install
+	env -u DATABASE_URL -u REDIS_URL $(BIN)/python manage.py migrate --noinput -v0
+	env -u DATABASE_URL -u REDIS_URL $(BIN)/python manage.py chorus_demo
+	@echo ""
+	@echo "Chorus Ops is starting at http://$(HOST):$(PORT)/admin/  (API: http://$(HOST):$(PORT)/api/v1/docs)"
+	@echo "Log in with one of the demo logins above. Ctrl-C stops everything."
+	env -u DATABASE_URL -u REDIS_URL $(BIN)/daphne -b $(HOST) -p $(PORT) chorus_site.asgi:application
+
+## test: the whole suite against PostgreSQL and Redis
+test: install-test
+	DATABASE_URL="$${DATABASE_URL:-$(TEST_DATABASE_URL)}" REDIS_URL="$${REDIS_URL:-$(TEST_REDIS_URL)}" \
+	DJANGO_SECRET_KEY="$${DJANGO_SECRET_KEY:-test-only-secret}" DJANGO_HTTPS=0 \
+	$(BIN)/pytest $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) var .pytest_cache
