@@ -74,7 +74,8 @@ def parse_cursor(raw) -> int | None:
     if raw is None or raw == "":
         return None
     text = str(raw).strip()
-    if not text.isdigit() or len(text) > 19:
+    # isdigit() alone accepts '²' (int() then fails) and other scripts' digits ('١٢' → 12).
+    if not (text.isascii() and text.isdigit()) or len(text) > 19:
         raise ApplicationError("cursor_invalid", f"cursor {str(raw)[:40]!r} is not a valid event cursor")
     return int(text)
 
