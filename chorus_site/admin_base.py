@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 from django.contrib import admin
 from django.core.paginator import Paginator
 from django.db import connection
@@ -77,7 +79,10 @@ class OpsAdmin(admin.ModelAdmin):
         stream = self.object_stream(obj)
         if not stream:
             return []
-        return list(Event.objects.filter(stream=stream, **self.timeline_filter(obj)).order_by("-id")[:limit])
+        events = list(Event.objects.filter(stream=stream, **self.timeline_filter(obj)).order_by("-id")[:limit])
+        for event in events:
+            event.data_json = json.dumps(event.data, separators=(",", ":"))  # as the live rows show it
+        return events
 
     def extra_detail_context(self, request, obj) -> dict:
         return {}

@@ -98,7 +98,9 @@ def check_cursor(stream: str, cursor: int) -> None:
     if owner is None:
         if cursor > last_id and cursor > (Event.objects.order_by("-id").values_list("id", flat=True).first() or 0):
             raise ApplicationError("cursor_ahead", "cursor is beyond the newest event", {"newest": last_id})
-        if cursor <= purged_through:
+        if cursor == purged_through:
+            return  # the newest purged event: the client has seen everything up to it
+        if cursor < purged_through:
             raise ApplicationError(
                 "cursor_expired", "cursor is older than the retention window; reload the snapshot",
                 {"oldest_available_after": purged_through},

@@ -1,0 +1,101 @@
+"""A real portal process (daphne: HTTP + WebSocket) on the test database, and a real browser."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+from django.db import connection
+
+ROOT = Path(__file__).resolve().parents[2]
+CHROMIUM = os.environ.get("CHROMIUM_PATH", "/usr/bin/chromium")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_until(predicate, *, timeout: float, interval: float = 0.1, message: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        result = predicate()
+        if result:
+            return result
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout}s waiting for {message}")
+
+
+def test_database_url() -> str:
+    s = connection.settings_dict
+    auth = s["USER"] + (f":{s['PASSWORD']}" if s["PASSWORD"] else "")
+    return f"postgres://{auth}@{s['HOST'] or '127.0.0.1'}:{s['PORT'] or 5432}/{s['NAME']}"
+
+
+@pytest.fixture
+def portal_server(transactional_db, tmp_path):
+    """daphne serving chorus_site.asgi on a free port, against this test's database."""
+    if connection.vendor != "postgresql" or not os.environ.get("REDIS_URL"):
+        pytest.fail("the portal process needs DATABASE_URL (PostgreSQL) and REDIS_URL to share state with the test")
+    port = free_port()
+    env = {**os.environ, "DATABASE_URL": test_database_url(), "DJANGO_HTTPS": "0", "CHORUS_SERVE_STATIC": "1",
+           "DJANGO_ALLOWED_HOSTS": "127.0.0.1,localhost", "CHORUS_DATA_DIR": str(tmp_path)}
+    log = open(tmp_path / "daphne.log", "w")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "daphne", "-b", "127.0.0.1", "-p", str(port), "chorus_site.asgi:application"],
+        cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+    )
+    url = f"http://127.0.0.1:{port}"
+
+    def up():
+        if process.poll() is not None:
+            raise AssertionError(f"daphne exited: {(tmp_path / 'daphne.log').read_text()[-2000:]}")
+        try:
+            return urllib.request.urlopen(url + "/admin/login/", timeout=1).status == 200
+        except OSError:
+            return False
+
+    try:
+        wait_until(up, timeout=30, message="daphne to serve")
+        yield url
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+        log.close()
+
+
+@pytest.fixture
+def browser(monkeypatch):
+    from playwright.sync_api import sync_playwright
+
+    # Playwright's sync API keeps an event loop on this thread; the test's ORM calls are still
+    # plain synchronous code, which Django's async-safety check cannot tell.
+    monkeypatch.setenv("DJANGO_ALLOW_ASYNC_UNSAFE", "true")
+    with sync_playwright() as playwright:
+        instance = playwright.chromium.launch(
+            executable_path=CHROMIUM,
+            args=["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
+                  "--disable-sync", "--no-first-run", "--disable-quic"],
+        )
+        try:
+            yield instance
+        finally:
+            instance.close()
+
+
+def admin_login(page, base_url: str, username: str, password: str):
+    page.goto(base_url + "/admin/login/")
+    page.fill("#id_username", username)
+    page.fill("#id_password", password)
+    page.click("input[type=submit]")
+    page.wait_for_url(base_url + "/admin/")
