@@ -99,3 +99,31 @@ def admin_login(page, base_url: str, username: str, password: str):
     page.fill("#id_password", password)
     page.click("input[type=submit]")
     page.wait_for_url(base_url + "/admin/")
+
+
+@pytest.fixture
+def celery_worker_process(transactional_db, tmp_path):
+    """A real Celery worker (Redis broker) on this test's database, on a queue of its own."""
+    if not os.environ.get("REDIS_URL"):
+        pytest.fail("a Celery worker needs REDIS_URL as its broker")
+    queue = f"test-{os.getpid()}-{free_port()}"
+    env = {**os.environ, "DATABASE_URL": test_database_url(), "CHORUS_DATA_DIR": str(tmp_path)}
+    log = open(tmp_path / "celery.log", "w")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "celery", "-A", "chorus_site", "worker", "--pool=solo", "--concurrency=1",
+         "-Q", queue, "--without-gossip", "--without-mingle", "--loglevel=INFO"],
+        cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+    )
+    try:
+        wait_until(lambda: "ready" in (tmp_path / "celery.log").read_text() or process.poll() is not None,
+                   timeout=60, message="the Celery worker to be ready")
+        if process.poll() is not None:
+            raise AssertionError((tmp_path / "celery.log").read_text()[-3000:])
+        yield queue
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            process.kill()
+        log.close()
