@@ -524,6 +524,14 @@ def docs_section(doc: dict) -> str:
         f"- **P4 met: {'yes' if v['met'] else 'no'}**",
         "",
     ]
+    slow = [label for label, f in full.items() if f["p95_ms"] > TARGET_P95_MS]
+    if slow:
+        lines += ["Slowest statement of each page over the p95 target (full size):", ""]
+        for label in slow:
+            statement = full[label]["slowest_query"]
+            statement = statement if len(statement) <= 160 else statement[:160] + "…"
+            lines.append(f"- `{label}` ({full[label]['slowest_query_ms']} ms): `{statement}`")
+        lines.append("")
     return "\n".join(lines)
 
 
