@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 from django.contrib.auth.models import Group
+from django.test.utils import override_settings
 
 from chorus_site import permissions
 from tests import factories
@@ -24,6 +25,15 @@ PERSONAS = {
     "diagnostics_reader": ("diagnostics_reader", permissions.DIAGNOSTICS),
     "ops_admin_user": ("ops_admin_user", permissions.ADMIN),
 }
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _fast_password_hashing():
+    """The production hasher spends ~0.2 s per hash by design; tests make and log in many users."""
+    override = override_settings(PASSWORD_HASHERS=["django.contrib.auth.hashers.MD5PasswordHasher"])
+    override.enable()
+    yield
+    override.disable()
 
 
 def role_group(name: str) -> Group:
