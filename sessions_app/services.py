@@ -6,7 +6,7 @@ import hashlib
 import re
 import secrets
 
-from django.db import transaction
+from django.db import IntegrityError, transaction
 from django.db.models import F, Max, Value
 from django.db.models.functions import Coalesce
 from django.utils import timezone
@@ -84,11 +84,20 @@ def session_create(
         if Session.objects.filter(idea_key=idea_key, status=states.SESSION_ACTIVE).exists():
             raise ApplicationError("conflict", f"an active session already exists for idea key {idea_key!r}",
                                    {"idea_key": idea_key})
-        session = Session.objects.create(
-            connection=connection, cwd=cwd, idea_key=idea_key, title=title or idea_key, backend=connection.backend,
-            created_by=actor if getattr(actor, "pk", None) else None, handoff_from=handoff_from,
-            backend_session_id=backend_session_id, provider=provider, model=model,
-        )
+        try:
+            with transaction.atomic():
+                session = Session.objects.create(
+                    connection=connection, cwd=cwd, idea_key=idea_key, title=title or idea_key,
+                    backend=connection.backend, created_by=actor if getattr(actor, "pk", None) else None,
+                    handoff_from=handoff_from, backend_session_id=backend_session_id, provider=provider,
+                    model=model,
+                )
+        except IntegrityError:
+            # A concurrent start of the same idea won between the check above and this insert.
+            if not Session.objects.filter(idea_key=idea_key, status=states.SESSION_ACTIVE).exists():
+                raise
+            raise ApplicationError("conflict", f"an active session already exists for idea key {idea_key!r}",
+                                   {"idea_key": idea_key}) from None
         event_append(stream=session.stream, kind="session.created", actor=actor_name(actor),
                      data={"id": str(session.id), "connection": str(connection.id), "cwd": cwd, "idea_key": idea_key})
     return session

@@ -11,7 +11,7 @@ from django.db import connection as db_connection
 from chorus_site.errors import ApplicationError
 from chorus_site.models import Event
 from sessions_app import services, states
-from sessions_app.models import Turn
+from sessions_app.models import Session, Turn
 from tests.factories import events_since, last_event_id, make_session, make_turn
 
 SECRET = "sk-ant-api03-Zq8xW2vK9mL4pR7tY1uE6sD3fG5hJ0kA"
@@ -316,3 +316,21 @@ def test_turn_transitions_and_new_turns_of_one_session_do_not_deadlock():
     assert seqs == list(range(1, len(seqs) + 1))
     stream_seqs = list(Event.objects.filter(stream=session.stream).order_by("id").values_list("seq", flat=True))
     assert stream_seqs == list(range(1, len(stream_seqs) + 1))
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db(transaction=True)
+def test_concurrent_sessions_for_one_idea_key_one_wins_the_other_is_a_conflict():
+    # Turns need their session: two starts of the same idea must not fork it, and the loser gets
+    # the service's "conflict" refusal rather than a database error.
+    session = make_session()
+    connection = session.connection
+    for n in range(10):
+        idea = f"idea-race-{n}"
+        outcomes = run_together(
+            lambda: services.session_create(connection=connection, cwd=connection.cwds[0], idea_key=idea),
+            lambda: services.session_create(connection=connection, cwd=connection.cwds[0], idea_key=idea),
+        )
+        assert sorted(outcomes) == ["conflict", "ok"], outcomes
+        assert Session.objects.filter(idea_key=idea).count() == 1
+        assert Event.objects.filter(kind="session.created", data__idea_key=idea).count() == 1
