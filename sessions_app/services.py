@@ -26,6 +26,7 @@ WAKE_ERROR_DETAILS_MAX = 64 * 1024
 _ANSI = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)|\x1b[ -/]*[0-~]|\x1b")
 
 GENERIC_WAKE_SUMMARY = "The agent stopped without leaving a diagnostic message."
+WAKE_ERROR_FIELDS = {"kind", "summary", "source", "details", "exit_code", "signal"}
 
 
 # ---------------------------------------------------------------- connections
@@ -182,6 +183,10 @@ def turn_set_status(
             raise ApplicationError("bad_request", f"a daemon may not report reason {reason!r}")
         updates["interrupted_reason"] = reason
         if wake_error and reason in states.WAKE_ERROR_REASONS:
+            unknown = set(wake_error) - WAKE_ERROR_FIELDS
+            if unknown:
+                raise ApplicationError("bad_request", "unknown wake error fields",
+                                       {"unknown": sorted(unknown), "allowed": sorted(WAKE_ERROR_FIELDS)})
             # A repeated terminal report keeps the first error: the transition below refuses it.
             updates["wake_error"] = wake_error_build(**wake_error)
         elif reason in states.WAKE_ERROR_REASONS:

@@ -334,3 +334,15 @@ def test_concurrent_sessions_for_one_idea_key_one_wins_the_other_is_a_conflict()
         assert sorted(outcomes) == ["conflict", "ok"], outcomes
         assert Session.objects.filter(idea_key=idea).count() == 1
         assert Event.objects.filter(kind="session.created", data__idea_key=idea).count() == 1
+
+
+@pytest.mark.django_db
+def test_unknown_wake_error_fields_are_refused_and_change_nothing():
+    turn = make_turn(status=states.RUNNING)
+    mark = last_event_id()
+    with pytest.raises(ApplicationError) as refused:
+        interrupt(turn, "crash", wake_error={"kind": "signal", "colour": "red"})
+    assert refused.value.code == "bad_request"
+    assert refused.value.detail["unknown"] == ["colour"]
+    assert Turn.objects.get(pk=turn.id).status == states.RUNNING
+    assert events_since(mark) == []
