@@ -20,8 +20,8 @@ must be 200 and list the rows it should, or the script stops.
 
 Prints one JSON document and refreshes the "P4 admin changelists" section of docs/benchmarks.md.
 
-    /work/venv/bin/python bench/admin_scale.py              # full size, several minutes
-    /work/venv/bin/python bench/admin_scale.py --small      # 10k turns, 50k events: a quick check
+    .venv/bin/python bench/admin_scale.py              # full size, several minutes
+    .venv/bin/python bench/admin_scale.py --small      # 10k turns, 50k events: a quick check
 """
 
 from __future__ import annotations
@@ -603,7 +603,7 @@ def django_setup(database_url: str):
 
 def main(argv=None) -> int:
     args, sizes = parse_args(argv)
-    command = "/work/venv/bin/python bench/admin_scale.py" + "".join(
+    command = ".venv/bin/python bench/admin_scale.py" + "".join(
         f" {shlex.quote(a)}" for a in (sys.argv[1:] if argv is None else argv))
     log(f"creating database {admin_url(args.database_url)[1]}")
     database_recreate(args.database_url)

@@ -2,17 +2,23 @@
 
 from django.contrib import admin, messages
 
-from .admin_base import OpsAdmin
+from .admin_base import DistinctValuesFilter, OpsAdmin
 from .audit import audit_record
 from .models import ApiToken, AuditEntry, Event, IdempotencyRecord
 from .tokens import token_revoke
 
 
+class EventKindFilter(DistinctValuesFilter):
+    title = "kind"
+    parameter_name = "kind"
+    field_name = "kind"
+
+
 @admin.register(Event)
 class EventAdmin(OpsAdmin):
     list_display = ["id", "stream", "seq", "kind", "actor", "at"]
-    list_filter = ["kind"]
-    search_fields = ["=stream"]
+    list_filter = [EventKindFilter]
+    search_fields = ["stream__exact"]  # an exact, indexed match: no UPPER() scan
 
 
 @admin.register(AuditEntry)

@@ -21,7 +21,8 @@ def _link(obj, label=None):
 class IssueAdmin(OpsAdmin):
     list_display = ["title", "status_badge", "completion_policy", "assignee", "updated_at"]
     list_filter = ["status", "completion_policy"]
-    search_fields = ["title", "=id"]
+    search_fields = ["title"]
+    uuid_search_fields = ("pk",)
     list_select_related = ["assignee"]
     live_streams = ("dashboard",)
     editable_fields = ["title", "body", "acceptance_criteria", "completion_policy", "assignee"]
@@ -100,7 +101,8 @@ class RunAdmin(OpsAdmin):
     list_display = ["short_id", "issue", "mode", "state_badge", "wait_reason", "rerun_of_link", "created_at",
                     "completed_at"]
     list_filter = ["state", "mode", "wait_reason"]
-    search_fields = ["=id", "issue__title"]
+    search_fields = ["issue__title"]
+    uuid_search_fields = ("pk", "issue_id", "rerun_of_id")
     list_select_related = ["issue", "rerun_of"]
     raw_id_fields = ["issue", "rerun_of", "parent_run", "parent_node", "workflow_revision"]
     live_streams = ("dashboard",)
@@ -149,6 +151,7 @@ class AgentTaskAdmin(OpsAdmin):
     list_display = ["id", "node", "ordinal", "status_badge", "retry_of", "leader", "wait_reason"]
     list_filter = ["status", "leader"]
     list_select_related = ["node", "retry_of"]
+    uuid_search_fields = ("pk", "node_id", "retry_of_id", "session_id")
     raw_id_fields = ["node", "retry_of", "session", "current_attempt"]
 
     @admin.display(description="status", ordering="status")
@@ -166,7 +169,8 @@ class AgentTaskAdmin(OpsAdmin):
 class AttemptAdmin(OpsAdmin):
     list_display = ["id", "task", "number", "state_badge", "connection", "backend", "started_at", "ended_at"]
     list_filter = ["state", "backend"]
-    search_fields = ["=id", "=task__id", "=provider_session_id"]
+    search_fields = ["provider_session_id__exact"]
+    uuid_search_fields = ("pk", "task_id", "session_id", "turn_id")
     list_select_related = ["task", "connection"]
     raw_id_fields = ["task", "connection", "session", "turn"]
     live_streams = ("dashboard",)

@@ -6,7 +6,7 @@ from django.db import models
 from chorus_site.ids import uuid7
 from chorus_site.permissions import ACTION_PERMISSIONS
 from sessions_app.models import Connection, Session, Turn
-from sessions_app.states import choices
+from sessions_app.states import BACKENDS, choices
 
 from . import states
 
@@ -158,7 +158,7 @@ class AgentTask(models.Model):
         permissions = _perms("agenttask")
 
     def __str__(self):
-        return f"task {self.ordinal} of {self.node.key}"
+        return f"task {self.ordinal} ({str(self.pk)[:8]})"  # no join: listed on large changelists
 
 
 class Attempt(models.Model):
@@ -169,7 +169,7 @@ class Attempt(models.Model):
     connection = models.ForeignKey(Connection, null=True, blank=True, on_delete=models.SET_NULL, related_name="+")
     session = models.ForeignKey(Session, null=True, blank=True, on_delete=models.SET_NULL, related_name="+")
     turn = models.ForeignKey(Turn, null=True, blank=True, on_delete=models.SET_NULL, related_name="+")
-    backend = models.CharField(max_length=16, blank=True, default="")
+    backend = models.CharField(max_length=16, choices=choices(BACKENDS), blank=True, default="")
     provider_session_id = models.CharField(max_length=255, blank=True, default="")
     cwd = models.CharField(max_length=1024, blank=True, default="")
     heartbeat_at = models.DateTimeField(null=True, blank=True)

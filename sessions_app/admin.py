@@ -59,14 +59,15 @@ class ConnectionAdmin(OpsAdmin):
 class TurnLinkMixin:
     @admin.display(description="turn")
     def turn_link(self, obj):
-        return format_html('<a href="{}">#{}</a>', reverse("admin:sessions_app_turn_change", args=[obj.pk]), obj.seq)
+        return f"#{obj.seq}"  # the changelist makes the first column the link
 
 
 @admin.register(Session)
 class SessionAdmin(OpsAdmin):
     list_display = ["title", "idea_key", "connection", "cwd", "backend", "status_badge", "last_turn_at"]
     list_filter = ["status", "backend", "connection"]
-    search_fields = ["title", "idea_key", "cwd", "=id", "=backend_session_id"]
+    search_fields = ["title", "idea_key", "cwd", "backend_session_id__exact"]
+    uuid_search_fields = ("pk", "connection_id")
     list_select_related = ["connection"]
     live_streams = ("dashboard",)
     change_form_template = "admin/sessions_app/session/change_form.html"
@@ -93,7 +94,8 @@ class TurnAdmin(TurnLinkMixin, OpsAdmin):
     list_display = ["turn_link", "session", "status_badge", "trigger", "interrupted_reason", "stop_state_badge",
                     "started_at", "ended_at"]
     list_filter = ["status", "interrupted_reason", "trigger", "stop_state"]
-    search_fields = ["=id", "=session__id"]
+    uuid_search_fields = ("pk", "session_id", "attempt_id")
+    search_fields = ["prompt"]  # only used when the term is not an id
     list_select_related = ["session"]
     raw_id_fields = ["session"]
     live_streams = ("dashboard",)

@@ -18,7 +18,7 @@ from django.utils import timezone
 
 from chorus_site.permissions import ADMIN, DIAGNOSTICS, OPERATOR, VIEWER
 from executions import services as ex
-from executions.models import AgentTask, Attempt, Run, RunNode, WorkflowDefinition, WorkflowRevision
+from executions.models import AgentTask, Approval, Attempt, Run, RunNode, WorkflowDefinition, WorkflowRevision
 from sessions_app import services as ss
 from sessions_app.models import Connection
 
@@ -104,7 +104,13 @@ class Command(BaseCommand):
              changes={"git_status": [" M README.md"], "diff_stat": "1 file changed, 12 insertions(+), 4 deletions(-)"},
              usage={"input": 1200, "output": 340})
         ss.session_add_usage(session_id=s1.pk, usage={"input": 1200, "output": 340})
-        turn(s1, ["running", "interrupted"], "@sleep 600\nLong refactor", reason="user", stop_state="confirmed")
+        stopped = turn(s1, ["running"], "@sleep 600\nLong refactor")
+        command = ss.command_create(connection_id=alice.pk, action="interrupt", turn_id=stopped.pk)
+        ss.turn_set_stop_state(turn_id=stopped.pk, stop_state="requested")
+        for state in ("delivered", "acked", "done"):
+            ss.command_set_state(command_id=command.pk, state=state)
+        ss.turn_set_stop_state(turn_id=stopped.pk, stop_state="signalled")
+        ss.turn_set_status(turn_id=stopped.pk, status="interrupted", reason="user", stop_state="confirmed")
         turn(s1, ["running"], "@sleep 30\nNow add a changelog entry.", trigger="resume")
 
         s2 = session(build, "/srv/build/api", "idea:flaky-test", "Fix the flaky payments test", "5b1e-claude-session")
@@ -215,6 +221,8 @@ class Command(BaseCommand):
         waiting = run(["running", "waiting"])
         wn = node(waiting, "main", ["ready", "waiting"])
         attempt(task(wn, ["dispatched", "waiting"]), 1, ["assigned", "preparing", "running", "waiting"])
+        review = node(rerun, "review", ["ready", "waiting"], type="approval")
+        Approval.objects.create(node=review, prompt="Ship the rate limiter?")
         run(["running", "paused"])
         cancelling = run(["running", "cancelling"])
         cn = node(cancelling, "main", ["ready", "running"])
