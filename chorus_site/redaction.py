@@ -2,8 +2,14 @@
 
 Covers API keys of the common providers, bearer tokens, passwords in URLs, private key blocks,
 values of variables named like KEY/TOKEN/SECRET/PASSWORD, and base64 forms of all of these:
-a base64 blob is decoded and masked whole when its decoded text holds a secret, and the
-base64 encodings of every secret found in clear are masked wherever they appear.
+a base64 run (also wrapped over lines, misaligned, nested once, or with binary around the
+secret) is decoded and masked whole when its decoded text holds a secret, and the base64
+encodings of every secret found in clear are masked wherever they appear.
+
+Ordinary operations text must come out unchanged: a name only counts as secret when its last
+word is one (``API_KEY`` yes; ``KeyError``, ``sort_keys``, ``input_tokens``, ``PWD`` no), and a
+value after "Bearer"/"Basic"/"token" must look random.  tests/chorus_site/test_redaction.py
+holds the canaries and the texts that must not be touched.
 """
 
 from __future__ import annotations
@@ -146,7 +152,7 @@ def _holds_piece_of(decoded: str, found: set[str]) -> bool:
 # Every pattern above needs one of these; one search spares decoded noise the full set.
 _ANY_PATTERN_HINT = re.compile(
     r"(?i)sk-|[sr]k_|gh[pousr]_|github_pat_|xox|AKIA|ASIA|AIza|glpat-|hf_|npm_|cho_|eyJ|PRIVATE KEY|bearer|basic|://"
-    r"|KEY|TOKEN|SECRET|PASSW|PWD|PASSPHRASE|CREDENTIAL"
+    r"|AUTHORIZATION|KEY|TOKEN|SECRET|PASSW|PWD|PASSPHRASE|CREDENTIAL"
 )
 
 

@@ -348,3 +348,8 @@ def test_secret_in_base64_is_masked_at_any_alignment(secret_tail, before, after,
     output = redact(f"log line {lead}{encoded}\nnext line")
     assert_masked(output, secret)
     assert output.endswith("\nnext line") or output.endswith(MASK)
+
+
+def test_raw_authorization_header_inside_base64_is_masked():
+    raw = "Authorization: " + BEARER
+    assert_masked(redact(f"captured headers: {b64(raw)}"), BEARER)
