@@ -7,7 +7,9 @@ Live delivery through the channel layer is only a wake-up; readers catch up from
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import threading
 from datetime import timedelta
 
 from asgiref.sync import async_to_sync
@@ -58,6 +60,19 @@ def event_append(*, stream: str, kind: str, data: dict | None = None, actor: str
 
 
 def broadcast_event(message: dict) -> None:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        _send(message)
+        return
+    # Sync code on a thread that hosts an event loop (async_to_sync refuses to run there):
+    # send from a helper thread, and wait for it so events still leave in commit order.
+    sender = threading.Thread(target=_send, args=(message,), name="chorus-broadcast")
+    sender.start()
+    sender.join()
+
+
+def _send(message: dict) -> None:
     layer = get_channel_layer()
     if layer is None:
         return

@@ -38,18 +38,26 @@ def _ttl_cutoff():
     return timezone.now() - timedelta(hours=settings.CHORUS_IDEMPOTENCY_TTL_HOURS)
 
 
-def idempotent_call(*, user, route: str, key: str | None, body, action: Callable[[], Answer]) -> tuple[int, dict, bool]:
-    """Run ``action`` once per (user, route, key); returns (status, body, replayed)."""
+def idempotent_call(
+    *, user, route: str, key: str | None, body, action: Callable[[], Answer], scope: str | None = None,
+) -> tuple[int, dict, bool]:
+    """Run ``action`` once per (scope, route, key); returns (status, body, replayed).
+
+    The scope defaults to the user ("user:<id>", or "anonymous"); daemon reports pass
+    "connection:<id>".
+    """
     key = validate_key(key)
     if key is None:
         status, answer = _run(action)
         return status, answer, False
     digest = request_hash(body)
     user_id = getattr(user, "pk", None)
-    IdempotencyRecord.objects.filter(user_id=user_id, route=route, key=key, created_at__lt=_ttl_cutoff()).delete()
+    scope = scope or (f"user:{user_id}" if user_id is not None else "anonymous")
+    IdempotencyRecord.objects.filter(scope=scope, route=route, key=key, created_at__lt=_ttl_cutoff()).delete()
     try:
         with transaction.atomic():
-            record = IdempotencyRecord.objects.create(user_id=user_id, route=route, key=key, request_hash=digest)
+            record = IdempotencyRecord.objects.create(scope=scope, user_id=user_id, route=route, key=key,
+                                                      request_hash=digest)
             status, answer = _run(action)
             IdempotencyRecord.objects.filter(pk=record.pk).update(
                 state=IdempotencyRecord.STATE_DONE, response_status=status, response_body=answer
@@ -57,7 +65,7 @@ def idempotent_call(*, user, route: str, key: str | None, body, action: Callable
             return status, answer, False
     except IntegrityError:
         pass
-    record = IdempotencyRecord.objects.filter(user_id=user_id, route=route, key=key).first()
+    record = IdempotencyRecord.objects.filter(scope=scope, route=route, key=key).first()
     if record is None or record.state != IdempotencyRecord.STATE_DONE:
         raise ApplicationError("idempotency_in_progress", "a request with this Idempotency-Key is still running; retry shortly")
     if record.request_hash != digest:

@@ -73,6 +73,9 @@ class IdempotencyRecord(models.Model):
     STATE_DONE = "done"
 
     key = models.CharField(max_length=255)
+    # Whose key space: "user:<id>", "connection:<id>" (daemon reports) or "anonymous". Never null,
+    # so the unique constraint holds for every caller (NULLs would all be distinct).
+    scope = models.CharField(max_length=64)
     user = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, on_delete=models.CASCADE)
     route = models.CharField(max_length=255)
     request_hash = models.CharField(max_length=64)
@@ -83,7 +86,7 @@ class IdempotencyRecord(models.Model):
 
     class Meta:
         constraints = [
-            models.UniqueConstraint(fields=["user", "route", "key"], name="idempotency_user_route_key_unique")
+            models.UniqueConstraint(fields=["scope", "route", "key"], name="idempotency_scope_route_key_unique")
         ]
 
     def __str__(self):

@@ -30,7 +30,11 @@ PERSONAS = {
 @pytest.fixture(scope="session", autouse=True)
 def _fast_password_hashing():
     """The production hasher spends ~0.2 s per hash by design; tests make and log in many users."""
-    override = override_settings(PASSWORD_HASHERS=["django.contrib.auth.hashers.MD5PasswordHasher"])
+    override = override_settings(PASSWORD_HASHERS=[
+        "django.contrib.auth.hashers.MD5PasswordHasher",
+        # kept so browser tests can give a user a hash the separate portal process verifies
+        "django.contrib.auth.hashers.PBKDF2PasswordHasher",
+    ])
     override.enable()
     yield
     override.disable()

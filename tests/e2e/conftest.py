@@ -93,9 +93,18 @@ def browser(monkeypatch):
             instance.close()
 
 
-def admin_login(page, base_url: str, username: str, password: str):
+def admin_login(page, base_url: str, user, password: str = "pw-Chorus-123"):
+    """Log ``user`` in through the login form of the portal process.
+
+    The test process hashes passwords with a fast test-only hasher that the portal process does
+    not accept, so the password is first stored with the production hasher.
+    """
+    from django.contrib.auth.hashers import make_password
+
+    user.password = make_password(password, hasher="pbkdf2_sha256")
+    user.save(update_fields=["password"])
     page.goto(base_url + "/admin/login/")
-    page.fill("#id_username", username)
+    page.fill("#id_username", user.get_username())
     page.fill("#id_password", password)
     page.click("input[type=submit]")
     page.wait_for_url(base_url + "/admin/")

@@ -16,7 +16,7 @@ pytestmark = [pytest.mark.browser, pytest.mark.django_db(transaction=True)]
 def test_turn_badge_changes_live_on_the_session_page(portal_server, browser, viewer, tmp_path):
     turn = factories.make_turn()
     page = browser.new_page()
-    admin_login(page, portal_server, viewer.username, factories.PASSWORD)
+    admin_login(page, portal_server, viewer)
     page.goto(f"{portal_server}/admin/sessions_app/session/{turn.session_id}/change/")
     badge = page.locator(f'[data-live-id="{turn.pk}"][data-live-field="status"]').first
     expect(badge).to_have_text("pending")
@@ -44,7 +44,7 @@ def test_viewer_sees_summary_and_diagnostics_reader_sees_masked_details(portal_s
     url = f"{portal_server}/admin/sessions_app/turn/{turn.pk}/change/"
 
     page = browser.new_page()
-    admin_login(page, portal_server, viewer.username, factories.PASSWORD)
+    admin_login(page, portal_server, viewer)
     page.goto(url)
     expect(page.locator("#wake-error-summary")).to_have_text("agent exited with code 3")
     expect(page.locator("#wake-error-withheld")).to_be_visible()
@@ -52,7 +52,7 @@ def test_viewer_sees_summary_and_diagnostics_reader_sees_masked_details(portal_s
     assert secret not in page.content()
 
     reader = browser.new_page()
-    admin_login(reader, portal_server, diagnostics_reader.username, factories.PASSWORD)
+    admin_login(reader, portal_server, diagnostics_reader)
     reader.goto(url)
     details = reader.locator("#wake-error-details")
     expect(details).to_contain_text("fatal: error")
@@ -64,7 +64,7 @@ def test_viewer_sees_summary_and_diagnostics_reader_sees_masked_details(portal_s
 
 def test_outsider_sees_no_ops_sections(portal_server, browser, outsider):
     page = browser.new_page()
-    admin_login(page, portal_server, outsider.username, factories.PASSWORD)
+    admin_login(page, portal_server, outsider)
     content = page.content()
     assert "Sessions" not in content and "Executions" not in content
     response = page.goto(f"{portal_server}/admin/sessions_app/session/")
