@@ -146,13 +146,16 @@ def filter_or_400(filterset_class, params, queryset):
 
 def register_routers():
     from executions.api import router as executions_router
+    from sessions_app import actions_api  # noqa: F401  (adds the acting routes to the sessions router)
     from sessions_app.api import router as sessions_router
+    from sessions_app.daemon_api import router as daemon_router
 
     from .events_api import router as events_router
 
     api.add_router("/", sessions_router)
     api.add_router("/", executions_router)
     api.add_router("/", events_router)
+    api.add_router("/", daemon_router)
 
 
 register_routers()

@@ -13,16 +13,26 @@ from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
 from channels.security.websocket import AllowedHostsOriginValidator  # noqa: E402
 from django.conf import settings  # noqa: E402
 
-from chorus_site.routing import websocket_urlpatterns  # noqa: E402
+from chorus_site.routing import daemon_urlpatterns, websocket_urlpatterns  # noqa: E402
 
 if settings.CHORUS_SERVE_STATIC:
     from django.contrib.staticfiles.handlers import ASGIStaticFilesHandler
 
     django_http = ASGIStaticFilesHandler(django_http)
 
+browser_websockets = AllowedHostsOriginValidator(AuthMiddlewareStack(URLRouter(websocket_urlpatterns)))
+# Daemons are not browsers: they send no Origin and authenticate with their connection key.
+daemon_websockets = URLRouter(daemon_urlpatterns)
+
+
+async def websocket_app(scope, receive, send):
+    app = daemon_websockets if scope["path"].startswith("/ws/daemon/") else browser_websockets
+    return await app(scope, receive, send)
+
+
 application = ProtocolTypeRouter(
     {
         "http": django_http,
-        "websocket": AllowedHostsOriginValidator(AuthMiddlewareStack(URLRouter(websocket_urlpatterns))),
+        "websocket": websocket_app,
     }
 )

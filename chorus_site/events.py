@@ -20,6 +20,7 @@ from django.utils import timezone
 
 from .errors import ApplicationError
 from .models import Event, EventStream
+from .redaction import redact_data
 
 log = logging.getLogger(__name__)
 
@@ -32,15 +33,18 @@ def stream_group(stream: str) -> str:
     return "stream." + stream.replace(":", ".")
 
 
-def _next_seq(stream: str) -> int:
-    # One statement on PostgreSQL and SQLite alike: create-or-increment, holding the row lock
-    # until commit, which orders concurrent appenders of the same stream.
+def _next_seq(stream: str, count: int = 1) -> int:
+    """Reserve ``count`` seqs of ``stream``; returns the last one.
+
+    One statement on PostgreSQL and SQLite alike: create-or-increment, holding the row lock
+    until commit, which orders concurrent appenders of the same stream.
+    """
     table = EventStream._meta.db_table
     with connection.cursor() as cursor:
         cursor.execute(
-            f"INSERT INTO {table} (name, last_seq, last_event_id, purged_through_id) VALUES (%s, 1, 0, 0) "
-            f"ON CONFLICT (name) DO UPDATE SET last_seq = {table}.last_seq + 1 RETURNING last_seq",
-            [stream],
+            f"INSERT INTO {table} (name, last_seq, last_event_id, purged_through_id) VALUES (%s, %s, 0, 0) "
+            f"ON CONFLICT (name) DO UPDATE SET last_seq = {table}.last_seq + %s RETURNING last_seq",
+            [stream, count, count],
         )
         return cursor.fetchone()[0]
 
@@ -57,6 +61,28 @@ def event_append(*, stream: str, kind: str, data: dict | None = None, actor: str
         message = event.as_message()
         transaction.on_commit(lambda: broadcast_event(message))
     return event
+
+
+def events_append_many(*, stream: str, items: list[dict], actor: str = "") -> list[Event]:
+    """Append a batch (``[{kind, data}]``) to one stream with one counter update and one INSERT.
+
+    The data comes from agents, so it is redacted before it is stored.
+    """
+    if not items:
+        return []
+    with transaction.atomic():
+        last = _next_seq(stream, len(items))
+        first = last - len(items) + 1
+        now = timezone.now()
+        events = Event.objects.bulk_create([
+            Event(stream=stream, seq=first + i, kind=item["kind"], data=redact_data(item.get("data") or {}),
+                  actor=actor, at=now)
+            for i, item in enumerate(items)
+        ])
+        EventStream.objects.filter(name=stream).update(last_event_id=max(e.id for e in events))
+    messages = [e.as_message() for e in events]
+    transaction.on_commit(lambda: [broadcast_event(m) for m in messages])
+    return events
 
 
 def broadcast_event(message: dict) -> None:

@@ -1,0 +1,377 @@
+"""Operator actions on conversations (SPEC §4.1–§4.6), shared by the admin and the API.
+
+Each action takes an optional reason, writes one audit entry and an event, and answers with what
+it did: ``{"changed": bool, ...}``.  Asking for what already holds answers ``changed: false``;
+asking for what the state machine forbids is 409 ``invalid_transition``.
+"""
+
+from __future__ import annotations
+
+import time
+from datetime import timedelta
+from pathlib import PurePosixPath
+
+from django.db import transaction
+from django.utils import timezone
+
+from agents import protocol
+from chorus_site.audit import actor_name, audit_record
+from chorus_site.errors import ApplicationError
+from chorus_site.events import event_append
+from chorus_site.ids import uuid7
+from chorus_site.scheduling import run_later
+
+from . import selectors, services, states
+from .bridge import command_send
+from .models import Connection, ControlCommand, Session, Turn
+
+STOP_CONFIRM_MARGIN_S = 5
+PROBE_WAIT_S = 3.0
+CRASH_PREFACE = ("The previous turn ended abnormally (it crashed or was killed). Before you continue, re-check "
+                 "the state of the working directory and of anything you were changing: some steps may have "
+                 "completed and others not.")
+TRANSCRIPT_TAIL = 10
+
+
+def _audit(actor, action, target, outcome, *, client, reason=None, idempotency_key=None):
+    audit_record(actor=actor, action=action, target=target, outcome=outcome, client=client, reason=reason,
+                 idempotency_key=idempotency_key)
+
+
+def _get(model, pk):
+    try:
+        obj = model.objects.filter(pk=pk).first()
+    except (ValueError, TypeError):
+        obj = None
+    if obj is None:
+        raise ApplicationError("not_found", "not found")
+    return obj
+
+
+# ---------------------------------------------------------------- dispatch
+def _start_command_of(turn_id) -> ControlCommand | None:
+    return ControlCommand.objects.filter(
+        turn_id=turn_id, action__in=[protocol.START_TURN, protocol.RESUME]).order_by("-id").first()
+
+
+def _turn_payload(turn: Turn, session: Session) -> dict:
+    return {
+        "session": str(session.pk), "cwd": session.cwd, "prompt": turn.prompt, "backend": session.backend,
+        "backend_session_id": session.backend_session_id, "trigger": turn.trigger, "env": {}, "timeout_s": None,
+    }
+
+
+def session_dispatch(*, session_id) -> Turn | None:
+    """Send the oldest pending turn of an idle session to its daemon; None when busy or empty.
+
+    Later pending turns that have not been sent are merged into it (SPEC §4.6).
+    """
+    with transaction.atomic():
+        session = Session.objects.select_for_update().select_related("connection").get(pk=session_id)
+        turns = Turn.objects.filter(session=session)
+        if turns.filter(status__in=[states.RUNNING, states.REQUIRES_ACTION]).exists():
+            return None
+        pending = list(turns.filter(status=states.PENDING).order_by("seq"))
+        if not pending:
+            return None
+        first = pending[0]
+        if _start_command_of(first.pk) is not None:
+            return None  # already sent; the daemon reports when it starts
+        for later in pending[1:]:
+            if _start_command_of(later.pk) is None:
+                first.prompt = f"{first.prompt}\n\n{later.prompt}"
+                services.turn_set_status(turn_id=later.pk, status=states.MERGED, merged_into=first,
+                                         data={"merged_into": str(first.pk)})
+        Turn.objects.filter(pk=first.pk).update(prompt=first.prompt)
+        action = protocol.RESUME if first.trigger == "resume" else protocol.START_TURN
+        command_send(connection_id=session.connection_id, action=action, turn_id=first.pk,
+                     payload=_turn_payload(first, session))
+        event_append(stream=session.stream, kind="turn.dispatched",
+                     data={"id": str(first.pk), "connection": str(session.connection_id), "action": action})
+        return first
+
+
+def _queue_turn(session: Session, *, trigger: str, prompt: str, actor) -> dict:
+    turn = services.turn_create(session=session, trigger=trigger, prompt=prompt, actor=actor)
+    busy = Turn.objects.filter(session=session, status__in=[states.RUNNING, states.REQUIRES_ACTION]).exists()
+    if busy:
+        event_append(stream=session.stream, kind="turn.waiting", actor=actor_name(actor),
+                     data={"id": str(turn.pk), "wait_reason": "directory_busy",
+                           "unblock": "it starts when the running turn of this session ends"})
+    transaction.on_commit(lambda: session_dispatch(session_id=session.pk))
+    return {"changed": True, "session": str(session.pk), "turn": str(turn.pk), "queued": busy}
+
+
+def _require_live(connection: Connection) -> None:
+    if not selectors.connection_is_live(connection):
+        raise ApplicationError(
+            "connection_offline", f"connection {connection.name} is offline: restore its daemon first",
+            {"connection": str(connection.pk), "status": connection.status,
+             "last_heartbeat_at": connection.last_heartbeat_at.isoformat() if connection.last_heartbeat_at else None})
+
+
+# ---------------------------------------------------------------- §4.6 start and message
+def _unacknowledged_changes(connection: Connection, cwd: str, exclude_session=None) -> Turn | None:
+    last = (Turn.objects.filter(session__connection=connection, session__cwd=cwd)
+            .exclude(session=exclude_session).order_by("-created_at").first())
+    if last and last.status == states.INTERRUPTED and last.interrupted_reason != states.REASON_INVALID_PATH:
+        return last
+    return None
+
+
+def session_start(*, actor, connection_id, cwd: str, prompt: str, idea_key: str | None = None, title: str = "",
+                  acknowledge_changes: bool = False, client: str = "api", reason: str | None = None,
+                  idempotency_key: str | None = None) -> dict:
+    if not prompt or not prompt.strip():
+        raise ApplicationError("bad_request", "prompt must not be empty")
+    connection = _get(Connection, connection_id)
+    cwd = str(PurePosixPath(cwd)) if cwd else ""
+    if not cwd.startswith("/") or not services.cwd_allowed(connection, cwd):
+        raise ApplicationError("bad_request", f"cwd {cwd!r} is not inside the connection's allowed directories",
+                               {"cwd": cwd, "allowed": connection.cwds})
+    _require_live(connection)
+    with transaction.atomic():
+        session = None
+        if idea_key:
+            session = Session.objects.select_for_update().filter(idea_key=idea_key,
+                                                                 status=states.SESSION_ACTIVE).first()
+        previous = _unacknowledged_changes(connection, cwd, exclude_session=session)
+        if previous is not None and not acknowledge_changes:
+            raise ApplicationError(
+                "changes_unacknowledged",
+                "the last turn in this directory was interrupted; acknowledge its reported changes first",
+                {"turn": str(previous.pk), "reason": previous.interrupted_reason, "changes": previous.changes})
+        if session is None:
+            session = services.session_create(connection=connection, cwd=cwd, idea_key=idea_key or f"adhoc:{uuid7()}",
+                                              title=title, actor=actor)
+        elif (session.connection_id, session.cwd) != (connection.pk, cwd):
+            # §3.1: the same idea from another directory moves the session; it never forks a second.
+            old = {"connection": str(session.connection_id), "cwd": session.cwd}
+            Session.objects.filter(pk=session.pk).update(connection=connection, cwd=cwd, backend=connection.backend)
+            event_append(stream=session.stream, kind="session.moved", actor=actor_name(actor),
+                         data={"id": str(session.pk), "from": old,
+                               "to": {"connection": str(connection.pk), "cwd": cwd}})
+            session.refresh_from_db()
+        answer = _queue_turn(session, trigger="human_instruction", prompt=prompt, actor=actor)
+        _audit(actor, "session.start", f"session:{session.pk}", "queued" if answer["queued"] else "dispatched",
+               client=client, reason=reason, idempotency_key=idempotency_key)
+    return answer
+
+
+def session_message(*, actor, session_id, prompt: str, client: str = "api", reason: str | None = None,
+                    idempotency_key: str | None = None) -> dict:
+    if not prompt or not prompt.strip():
+        raise ApplicationError("bad_request", "prompt must not be empty")
+    session = _get(Session, session_id)
+    if session.status != states.SESSION_ACTIVE:
+        raise ApplicationError("invalid_transition", "the session has ended; hand it off to continue")
+    _require_live(session.connection)
+    with transaction.atomic():
+        answer = _queue_turn(session, trigger="human_instruction", prompt=prompt, actor=actor)
+        _audit(actor, "session.message", f"session:{session.pk}", "queued" if answer["queued"] else "dispatched",
+               client=client, reason=reason, idempotency_key=idempotency_key)
+    return answer
+
+
+# ---------------------------------------------------------------- §4.1 interrupt
+def turn_interrupt(*, actor, turn_id, client: str = "api", reason: str | None = None,
+                   idempotency_key: str | None = None) -> dict:
+    turn = _get(Turn, turn_id)
+    target = f"turn:{turn.pk}"
+    with transaction.atomic():
+        turn = Turn.objects.select_for_update().select_related("session__connection").get(pk=turn.pk)
+        if turn.status == states.INTERRUPTED or (
+                turn.status in {states.RUNNING, states.REQUIRES_ACTION} and turn.stop_state != states.STOP_NONE
+                and turn.stop_state != states.STOP_UNCONFIRMED):
+            _audit(actor, "turn.interrupt", target, "unchanged", client=client, reason=reason,
+                   idempotency_key=idempotency_key)
+            return {"changed": False, "dispatched": False, "settled": turn.status == states.INTERRUPTED,
+                    "status": turn.status, "stop_state": turn.stop_state}
+        start = _start_command_of(turn.pk) if turn.status == states.PENDING else None
+        if turn.status == states.PENDING and (start is None or start.state in {states.CMD_PENDING,
+                                                                             states.CMD_DELIVERED}):
+            # Never started: settle at once; the daemon will not start it.
+            if start is not None:
+                services.command_set_state(command_id=start.pk, state=states.CMD_EXPIRED)
+            turn = services.turn_set_status(turn_id=turn.pk, status=states.INTERRUPTED, reason=states.REASON_USER,
+                                            stop_state=states.STOP_CONFIRMED, actor=actor)
+            _audit(actor, "turn.interrupt", target, "settled (never started)", client=client, reason=reason,
+                   idempotency_key=idempotency_key)
+            transaction.on_commit(lambda: session_dispatch(session_id=turn.session_id))
+            return {"changed": True, "dispatched": False, "settled": True, "status": turn.status,
+                    "stop_state": turn.stop_state}
+        if turn.status not in {states.RUNNING, states.REQUIRES_ACTION, states.PENDING}:
+            raise ApplicationError("invalid_transition", f"a turn that is {turn.status_label} cannot be interrupted",
+                                   {"status": turn.status})
+        connection = turn.session.connection
+        timeout = connection.sigint_timeout_s
+        deadline = timezone.now() + timedelta(seconds=timeout + STOP_CONFIRM_MARGIN_S)
+        turn = services.turn_set_stop_state(turn_id=turn.pk, stop_state=states.STOP_REQUESTED, actor=actor,
+                                            stop_deadline_at=deadline)
+        command_send(connection_id=connection.pk, action=protocol.INTERRUPT, turn_id=turn.pk,
+                     payload={"sigint_timeout_s": timeout})
+        from .tasks import turn_stop_deadline
+
+        run_later(turn_stop_deadline, args=[str(turn.pk)], delay_s=timeout + STOP_CONFIRM_MARGIN_S)
+        _audit(actor, "turn.interrupt", target, "stop requested", client=client, reason=reason,
+               idempotency_key=idempotency_key)
+    return {"changed": True, "dispatched": True, "settled": False, "status": turn.status,
+            "stop_state": turn.stop_state, "deadline": deadline.isoformat()}
+
+
+def turn_stop_deadline_check(*, turn_id) -> bool:
+    """After the deadline: a stop with no confirmation is marked ``unconfirmed`` (never pretended)."""
+    turn = Turn.objects.filter(pk=turn_id).first()
+    if turn is None or turn.status not in {states.RUNNING, states.REQUIRES_ACTION}:
+        return False
+    if turn.stop_state not in {states.STOP_REQUESTED, states.STOP_SIGNALLED, states.STOP_ESCALATED}:
+        return False
+    try:
+        services.turn_set_stop_state(turn_id=turn.pk, stop_state=states.STOP_UNCONFIRMED)
+    except ApplicationError:
+        return False  # confirmed meanwhile
+    return True
+
+
+# ---------------------------------------------------------------- §4.2 mark interrupted
+def _evidence_without_probe(turn: Turn, connection: Connection) -> dict | None:
+    now = timezone.now()
+    if connection.status == states.CONN_OFFLINE:
+        return {"basis": "connection_offline", "connection_status": connection.status}
+    if not selectors.connection_is_live(connection, now):
+        return {"basis": "heartbeat_stale",
+                "last_heartbeat_at": connection.last_heartbeat_at.isoformat() if connection.last_heartbeat_at else None}
+    snapshot = connection.last_snapshot or {}
+    listed = {str(item.get("turn")) for item in snapshot.get("running", []) if isinstance(item, dict)}
+    taken_at = snapshot.get("at")
+    if taken_at and turn.started_at and taken_at > turn.started_at.isoformat() and str(turn.pk) not in listed:
+        return {"basis": "not_in_snapshot", "snapshot_at": taken_at}
+    return None
+
+
+def turn_gather_evidence(*, turn_id, probe_wait_s: float = PROBE_WAIT_S) -> dict:
+    """Evidence that a running turn's process is gone, or 409 ``process_alive``.
+
+    Connection offline, stale heartbeat or absence from a newer snapshot settle it at once;
+    otherwise the daemon is probed and must answer "not held" within a few seconds.  Must run
+    outside a transaction: the probe has to reach the daemon while this waits.
+    """
+    if not transaction.get_autocommit():
+        raise RuntimeError("turn_gather_evidence must not run inside a transaction")
+    turn = _get(Turn, turn_id)
+    if turn.status not in {states.RUNNING, states.REQUIRES_ACTION}:
+        return {"basis": "not_running", "status": turn.status}
+    connection = turn.session.connection
+    evidence = _evidence_without_probe(turn, connection)
+    if evidence is not None:
+        return evidence
+    probe = command_send(connection_id=connection.pk, action=protocol.PROBE, turn_id=turn.pk)
+    deadline = time.monotonic() + probe_wait_s
+    answer = None
+    while answer is None and time.monotonic() < deadline:
+        answer = ControlCommand.objects.filter(pk=probe.pk, state=states.CMD_DONE).values_list(
+            "result", flat=True).first()
+        if answer is None:
+            time.sleep(0.05)
+    if answer is not None and answer.get("held") is False:
+        return {"basis": "probe_not_held", "command": str(probe.pk)}
+    raise ApplicationError("process_alive", "the daemon holds a live process for this turn: interrupt it instead",
+                           {"probe": str(probe.pk), "answered": answer is not None})
+
+
+def turn_mark_interrupted(*, actor, turn_id, evidence: dict, client: str = "api", reason: str | None = None,
+                          idempotency_key: str | None = None) -> dict:
+    """Settle a stuck turn ``interrupted(user)`` on the evidence of :func:`turn_gather_evidence`."""
+    turn = _get(Turn, turn_id)
+    target = f"turn:{turn.pk}"
+    if turn.status == states.INTERRUPTED:
+        _audit(actor, "turn.mark_interrupted", target, "unchanged", client=client, reason=reason,
+               idempotency_key=idempotency_key)
+        return {"changed": False, "status": turn.status, "evidence": turn.interrupt_evidence}
+    if turn.status not in {states.RUNNING, states.REQUIRES_ACTION}:
+        raise ApplicationError("invalid_transition", f"a turn that is {turn.status_label} is not stuck running",
+                               {"status": turn.status})
+    evidence = {**evidence, "at": timezone.now().isoformat(), "by": actor_name(actor)}
+    with transaction.atomic():
+        turn = services.turn_set_status(turn_id=turn.pk, status=states.INTERRUPTED, reason=states.REASON_USER,
+                                        actor=actor, interrupt_evidence=evidence,
+                                        data={"evidence": evidence["basis"]})
+        _audit(actor, "turn.mark_interrupted", target, f"settled ({evidence['basis']})", client=client,
+               reason=reason, idempotency_key=idempotency_key)
+        transaction.on_commit(lambda: session_dispatch(session_id=turn.session_id))
+    return {"changed": True, "status": turn.status, "evidence": evidence}
+
+
+# ---------------------------------------------------------------- §4.3 resume
+def session_resume(*, actor, session_id, context: str = "", client: str = "api", reason: str | None = None,
+                   idempotency_key: str | None = None) -> dict:
+    session = _get(Session, session_id)
+    preflight = selectors.resume_preflight(session)
+    if not preflight["resumable"]:
+        code = "connection_offline" if not preflight["connection_online"] else "invalid_transition"
+        _audit(actor, "session.resume", f"session:{session.pk}", f"refused: {preflight['refusal']}", client=client,
+               reason=reason, idempotency_key=idempotency_key)
+        raise ApplicationError(code, preflight["refusal"], {"preflight": _jsonable(preflight)})
+    prompt = context.strip()
+    if preflight["last_turn_reason"] == states.REASON_CRASH:
+        prompt = f"{CRASH_PREFACE}\n\n{prompt}".strip()
+    with transaction.atomic():
+        answer = _queue_turn(session, trigger="resume", prompt=prompt or "Continue where you left off.", actor=actor)
+        _audit(actor, "session.resume", f"session:{session.pk}", "resume turn created", client=client, reason=reason,
+               idempotency_key=idempotency_key)
+    return answer
+
+
+def _jsonable(value):
+    if isinstance(value, dict):
+        return {k: _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return value
+    return str(value)
+
+
+# ---------------------------------------------------------------- §4.4 hand off
+def handoff_prompt(session: Session, context: str) -> str:
+    last = session.turns.order_by("-seq").first()
+    lines = [f"You are taking over work from an earlier agent session ({session.pk}) that cannot continue.",
+             f"It worked in {session.cwd} on {session.connection.name}."]
+    tail = list(session.transcript.order_by("-id")[:TRANSCRIPT_TAIL])[::-1]
+    if tail:
+        lines.append("\nThe end of its conversation:")
+        lines += [f"[{m.role}] {m.text}" for m in tail]
+    if last is not None:
+        lines.append(f"\nIts last turn was {last.status_label}.")
+        if last.wake_error:
+            lines.append(f"Diagnostics summary: {last.wake_error.get('summary')}")
+        if last.changes:
+            lines.append(f"Changes it reported: {last.changes}")
+    if context.strip():
+        lines.append(f"\nOperator's context: {context.strip()}")
+    return "\n".join(lines)
+
+
+def session_handoff(*, actor, session_id, context: str = "", connection_id=None, cwd: str | None = None,
+                    client: str = "api", reason: str | None = None, idempotency_key: str | None = None) -> dict:
+    old = _get(Session, session_id)
+    connection = _get(Connection, connection_id) if connection_id else old.connection
+    cwd = cwd or old.cwd
+    if not services.cwd_allowed(connection, cwd):
+        raise ApplicationError("bad_request", f"cwd {cwd!r} is not inside the connection's allowed directories",
+                               {"cwd": cwd, "allowed": connection.cwds})
+    _require_live(connection)
+    if Turn.objects.filter(session=old, status__in=[states.RUNNING, states.REQUIRES_ACTION]).exists():
+        raise ApplicationError("invalid_transition", "the session still has a running turn: interrupt it first")
+    prompt = handoff_prompt(old, context)
+    with transaction.atomic():
+        if old.status == states.SESSION_ACTIVE:
+            services.session_set_status(session_id=old.pk, status=states.SESSION_ENDED, actor=actor)
+        new = services.session_create(connection=connection, cwd=cwd, idea_key=old.idea_key, title=old.title,
+                                      actor=actor, handoff_from=old)
+        event_append(stream=old.stream, kind="session.handed_off", actor=actor_name(actor),
+                     data={"id": str(old.pk), "to": str(new.pk)})
+        answer = _queue_turn(new, trigger="handoff", prompt=prompt, actor=actor)
+        _audit(actor, "session.handoff", f"session:{old.pk}", f"handed off to {new.pk}", client=client,
+               reason=reason, idempotency_key=idempotency_key)
+    return {**answer, "handoff_from": str(old.pk)}

@@ -1,0 +1,274 @@
+"""The portal's side of the daemon bridge (SPEC §5): presence, control commands and reports.
+
+Daemons authenticate with their connection key.  A daemon may report only on turns of its own
+connection (SPEC §1 rule 6), may not report ``offline`` (the server's verdict), and every report
+is applied once per report id.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+from datetime import timedelta
+
+from asgiref.sync import async_to_sync
+from channels.layers import get_channel_layer
+from django.db import transaction
+from django.utils import timezone
+
+from agents import protocol
+from chorus_site.errors import ApplicationError
+from chorus_site.events import event_append, events_append_many
+from chorus_site.idempotency import idempotent_call
+
+from . import services, states
+from .models import Connection, ControlCommand, Session, Turn
+
+log = logging.getLogger(__name__)
+
+HEARTBEAT_TIMEOUT = timedelta(seconds=protocol.HEARTBEAT_TIMEOUT_S)
+COMMAND_TTL = timedelta(hours=1)
+EVENTS_PER_REPORT_MAX = 1000
+
+
+def daemon_group(connection_id) -> str:
+    return f"daemon.{connection_id}"
+
+
+# ---------------------------------------------------------------- authentication
+def connection_authenticate(key: str | None) -> Connection | None:
+    """The connection whose key this is (``chk_<prefix>_<secret>``), or None."""
+    parts = (key or "").strip().split("_", 2)
+    if len(parts) != 3 or parts[0] != "chk":
+        return None
+    connection = Connection.objects.filter(key_prefix=parts[1]).first()
+    if connection is None:
+        return None
+    if not hmac.compare_digest(connection.key_hash, services.connection_key_hash(key.strip())):
+        return None
+    return connection
+
+
+# ---------------------------------------------------------------- presence
+def connection_daemon_connected(*, connection_id, hello: dict) -> Connection:
+    now = timezone.now()
+    fields = {
+        "last_heartbeat_at": now,
+        "daemon_version": str(hello.get("version", ""))[:32],
+        "capabilities": {k: hello.get(k) for k in ("backends", "cwds", "max_concurrency", "sigint_timeout_s")
+                         if k in hello},
+    }
+    if hello.get("host"):
+        fields["host"] = str(hello["host"])[:255]
+    with transaction.atomic():
+        connection = Connection.objects.select_for_update().get(pk=connection_id)
+        if connection.status == states.CONN_OFFLINE:
+            return services.connection_set_status(connection_id=connection_id, status=states.CONN_ONLINE, **fields)
+        Connection.objects.filter(pk=connection_id).update(**fields)
+        event_append(stream=f"connection:{connection_id}", kind="connection.hello",
+                     data={"id": str(connection_id), "version": fields["daemon_version"]})
+    return Connection.objects.get(pk=connection_id)
+
+
+def connection_heartbeat(*, connection_id) -> None:
+    # Frequent and cheap: no event; the status flips back online if a sweep had marked it offline.
+    updated = Connection.objects.filter(pk=connection_id).exclude(status=states.CONN_OFFLINE).update(
+        last_heartbeat_at=timezone.now())
+    if not updated:
+        try:
+            services.connection_set_status(connection_id=connection_id, status=states.CONN_ONLINE,
+                                           last_heartbeat_at=timezone.now())
+        except ApplicationError:
+            pass
+
+
+def connection_daemon_disconnected(*, connection_id) -> None:
+    """Presence is gone; running turns are settled by the sweep once the heartbeat is stale,
+    so a short network blip does not end work that is still running."""
+    try:
+        services.connection_set_status(connection_id=connection_id, status=states.CONN_OFFLINE)
+    except ApplicationError:
+        pass  # already offline
+
+
+def connection_store_snapshot(*, connection_id, running: list) -> None:
+    Connection.objects.filter(pk=connection_id).update(
+        last_snapshot={"at": timezone.now().isoformat(), "running": running}, last_heartbeat_at=timezone.now())
+
+
+def connections_sweep_stale(*, now=None) -> dict:
+    """Mark connections with a stale heartbeat offline and settle their active turns ``offline``."""
+    now = now or timezone.now()
+    cutoff = now - HEARTBEAT_TIMEOUT
+    went_offline = 0
+    for connection_id in Connection.objects.filter(status__in=[states.CONN_ONLINE, states.CONN_DRAINING]).filter(
+            last_heartbeat_at__lt=cutoff).values_list("pk", flat=True):
+        try:
+            services.connection_set_status(connection_id=connection_id, status=states.CONN_OFFLINE)
+            went_offline += 1
+        except ApplicationError:
+            pass
+    settled = 0
+    stale = Turn.objects.filter(status__in=[states.RUNNING, states.REQUIRES_ACTION]).exclude(
+        session__connection__last_heartbeat_at__gte=cutoff)
+    for turn_id in stale.values_list("pk", flat=True):
+        try:
+            services.turn_set_status(
+                turn_id=turn_id, status=states.INTERRUPTED, reason=states.REASON_OFFLINE,
+                interrupt_evidence={"basis": "heartbeat_stale", "cutoff": cutoff.isoformat()},
+                data={"evidence": "heartbeat_stale"},
+            )
+            settled += 1
+        except ApplicationError:
+            pass  # the daemon's own report won the race
+    return {"connections_offline": went_offline, "turns_settled": settled}
+
+
+# ---------------------------------------------------------------- commands
+def command_send(*, connection_id, action: str, turn_id=None, payload: dict | None = None) -> ControlCommand:
+    """Persist a command and wake the daemon's consumer after commit (it replays on reconnect)."""
+    command = services.command_create(connection_id=connection_id, action=action, turn_id=turn_id, payload=payload,
+                                      expires_at=timezone.now() + COMMAND_TTL)
+    transaction.on_commit(lambda: _push(connection_id))
+    return command
+
+
+def _push(connection_id) -> None:
+    layer = get_channel_layer()
+    try:
+        async_to_sync(layer.group_send)(daemon_group(connection_id), {"type": "commands.push"})
+    except Exception:  # replay on reconnect or the next push delivers it
+        log.warning("could not wake the daemon of %s", connection_id, exc_info=True)
+
+
+def commands_to_deliver(*, connection_id) -> list[dict]:
+    """Pending (and delivered but unacked) commands in order, marked delivered."""
+    now = timezone.now()
+    out = []
+    queryset = ControlCommand.objects.filter(
+        connection_id=connection_id, state__in=[states.CMD_PENDING, states.CMD_DELIVERED]).order_by("id")
+    for command in queryset:
+        if command.expires_at and command.expires_at <= now:
+            _set_command_state(command.pk, states.CMD_EXPIRED)
+            continue
+        if command.state == states.CMD_PENDING:
+            _set_command_state(command.pk, states.CMD_DELIVERED, delivered_at=now)
+        out.append({"type": protocol.COMMAND, "id": str(command.pk), "action": command.action,
+                    "turn": str(command.turn_id) if command.turn_id else None, "payload": command.payload})
+    return out
+
+
+def command_acked(*, connection_id, command_id) -> None:
+    command = ControlCommand.objects.filter(pk=command_id, connection_id=connection_id).first()
+    if command and command.state in {states.CMD_PENDING, states.CMD_DELIVERED}:
+        _set_command_state(command.pk, states.CMD_ACKED, acked_at=timezone.now())
+
+
+def command_result(*, connection_id, command_id, result: dict) -> None:
+    command = ControlCommand.objects.filter(pk=command_id, connection_id=connection_id).first()
+    if command is None:
+        return
+    if command.state in {states.CMD_PENDING, states.CMD_DELIVERED}:
+        _set_command_state(command.pk, states.CMD_ACKED, acked_at=timezone.now())
+    _set_command_state(command.pk, states.CMD_DONE, result=result)
+
+
+def _set_command_state(command_id, state, **updates):
+    try:
+        services.command_set_state(command_id=command_id, state=state, **updates)
+    except ApplicationError:
+        pass  # another delivery path got there first
+
+
+# ---------------------------------------------------------------- reports
+def _owned_turn(connection: Connection, turn_id) -> Turn:
+    turn = Turn.objects.select_related("session").filter(pk=turn_id).first()
+    if turn is None or turn.session.connection_id != connection.pk:
+        # A daemon learns nothing about other connections' turns.
+        raise ApplicationError("not_found", "no such turn on this connection")
+    return turn
+
+
+def report_advance(*, connection: Connection, turn_id, report: dict) -> tuple[int, dict, bool]:
+    report_id = report.get("report_id")
+    if not report_id:
+        raise ApplicationError("bad_request", "report_id is required")
+    return idempotent_call(user=None, scope=f"connection:{connection.pk}", route="daemon.advance", key=str(report_id),
+                           body={"turn": str(turn_id), **report},
+                           action=lambda: (200, _apply_advance(connection, turn_id, report)))
+
+
+def _apply_advance(connection: Connection, turn_id, report: dict) -> dict:
+    turn = _owned_turn(connection, turn_id)
+    status = report.get("status")
+    stop_state = report.get("stop_state")
+    session = turn.session
+    if report.get("backend_session_id") and report["backend_session_id"] != session.backend_session_id:
+        Session.objects.filter(pk=session.pk).update(backend_session_id=str(report["backend_session_id"])[:255])
+    if status in (None, turn.status) and stop_state:
+        # Stop progress only: signalled → escalated.
+        turn = services.turn_set_stop_state(turn_id=turn.pk, stop_state=stop_state)
+        return {"turn": str(turn.pk), "status": turn.status, "stop_state": turn.stop_state}
+    if status not in {protocol.RUNNING, protocol.REQUIRES_ACTION, protocol.ENDED, protocol.INTERRUPTED}:
+        raise ApplicationError("bad_request", f"unknown status {status!r}")
+    fields = {}
+    if report.get("pid") is not None:
+        fields["pid"] = int(report["pid"])
+    if status == protocol.REQUIRES_ACTION:
+        fields["requires_action"] = report.get("requires_action") or {"kind": "confirmation", "items": []}
+    if status in {protocol.ENDED, protocol.INTERRUPTED}:
+        for name in ("changes", "usage"):
+            if isinstance(report.get(name), dict):
+                fields[name] = report[name]
+        if isinstance(report.get("background_processes"), list):
+            fields["background_processes"] = report["background_processes"][:100]
+        if report.get("final_reply"):
+            fields["final_reply"] = str(report["final_reply"])
+        if turn.stop_state not in {states.STOP_NONE, states.STOP_CONFIRMED}:
+            stop_state = states.STOP_CONFIRMED  # the process is gone, whichever way it ended
+    turn = services.turn_set_status(
+        turn_id=turn.pk, status=status, reason=report.get("reason") if status == protocol.INTERRUPTED else None,
+        wake_error=report.get("wake_error"), stop_state=stop_state, from_daemon=True, **fields)
+    if status in {protocol.ENDED, protocol.INTERRUPTED}:
+        if isinstance(report.get("usage"), dict):
+            services.session_add_usage(session_id=session.pk, usage=report["usage"])
+        if turn.final_reply:
+            services.transcript_append(session_id=session.pk, role="assistant", text=turn.final_reply,
+                                       turn_id=turn.pk)
+        transaction.on_commit(lambda: _dispatch_next_after_commit(session.pk))
+    return {"turn": str(turn.pk), "status": turn.status, "stop_state": turn.stop_state}
+
+
+def _dispatch_next_after_commit(session_id) -> None:
+    from .actions import session_dispatch
+
+    try:
+        session_dispatch(session_id=session_id)
+    except ApplicationError:
+        log.info("next pending turn of %s not dispatched", session_id, exc_info=True)
+
+
+def report_events(*, connection: Connection, turn_id, report: dict) -> tuple[int, dict, bool]:
+    report_id = report.get("report_id")
+    if not report_id:
+        raise ApplicationError("bad_request", "report_id is required")
+    events = report.get("events")
+    if not isinstance(events, list) or len(events) > EVENTS_PER_REPORT_MAX:
+        raise ApplicationError("bad_request", f"events must be a list of at most {EVENTS_PER_REPORT_MAX}")
+    return idempotent_call(user=None, scope=f"connection:{connection.pk}", route="daemon.events", key=str(report_id),
+                           body={"turn": str(turn_id), "n": len(events), "first": events[:1]},
+                           action=lambda: (200, _apply_events(connection, turn_id, events)))
+
+
+def _apply_events(connection: Connection, turn_id, events: list) -> dict:
+    turn = _owned_turn(connection, turn_id)
+    items = []
+    for raw in events:
+        if not isinstance(raw, dict) or raw.get("kind") not in protocol.EVENT_KINDS:
+            continue  # unknown kinds from newer daemons are skipped, not fatal
+        data = raw.get("data") if isinstance(raw.get("data"), dict) else {}
+        if raw["kind"] == protocol.EV_SESSION and data.get("id") and not turn.session.backend_session_id:
+            Session.objects.filter(pk=turn.session_id).update(backend_session_id=str(data["id"])[:255])
+        items.append({"kind": "turn.output", "data": {"id": str(turn.pk), "type": raw["kind"], **data}})
+    events_append_many(stream=turn.stream, items=items)
+    return {"accepted": len(items), "skipped": len(events) - len(items)}

@@ -1,0 +1,82 @@
+"""``/ws/daemon/``: a daemon's control and presence channel (SPEC §5, agents/protocol.py).
+
+The daemon authenticates with ``Authorization: Bearer <connection key>``.  Commands are persisted
+before they are pushed, so a reconnecting daemon gets every command it has not acked.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from channels.db import database_sync_to_async
+from channels.generic.websocket import AsyncWebsocketConsumer
+
+from agents import protocol
+
+from . import bridge
+
+log = logging.getLogger(__name__)
+
+
+def _bearer(scope) -> str | None:
+    for name, value in scope.get("headers", []):
+        if name == b"authorization":
+            text = value.decode("latin-1")
+            if text[:7].lower() == "bearer ":
+                return text[7:].strip()
+    return None
+
+
+class DaemonConsumer(AsyncWebsocketConsumer):
+    connection_id = None
+
+    async def connect(self):
+        connection = await database_sync_to_async(bridge.connection_authenticate)(_bearer(self.scope))
+        if connection is None:
+            await self.close(code=4401)
+            return
+        self.connection_id = connection.pk
+        self.group = bridge.daemon_group(connection.pk)
+        await self.channel_layer.group_add(self.group, self.channel_name)
+        await self.accept()
+        await self._send({"type": protocol.WELCOME, "connection": str(connection.pk),
+                          "heartbeat_interval_s": protocol.HEARTBEAT_INTERVAL_S,
+                          "heartbeat_timeout_s": protocol.HEARTBEAT_TIMEOUT_S})
+
+    async def disconnect(self, code):
+        if self.connection_id is None:
+            return
+        await self.channel_layer.group_discard(self.group, self.channel_name)
+        await database_sync_to_async(bridge.connection_daemon_disconnected)(connection_id=self.connection_id)
+
+    async def receive(self, text_data=None, bytes_data=None):
+        try:
+            message = protocol.decode(text_data if text_data is not None else bytes_data)
+        except ValueError as exc:
+            return await self._send({"type": protocol.ERROR, "code": "bad_request", "message": str(exc)})
+        kind = message["type"]
+        cid = self.connection_id
+        if kind == protocol.HEARTBEAT:
+            await database_sync_to_async(bridge.connection_heartbeat)(connection_id=cid)
+        elif kind == protocol.HELLO:
+            await database_sync_to_async(bridge.connection_daemon_connected)(connection_id=cid, hello=message)
+            await self.commands_push({})
+        elif kind == protocol.SNAPSHOT:
+            running = message.get("running") if isinstance(message.get("running"), list) else []
+            await database_sync_to_async(bridge.connection_store_snapshot)(connection_id=cid, running=running)
+        elif kind == protocol.ACK:
+            await database_sync_to_async(bridge.command_acked)(connection_id=cid, command_id=message.get("command"))
+        elif kind == protocol.RESULT:
+            result = message.get("result") if isinstance(message.get("result"), dict) else {}
+            await database_sync_to_async(bridge.command_result)(connection_id=cid, command_id=message.get("command"),
+                                                                result=result)
+        else:
+            await self._send({"type": protocol.ERROR, "code": "bad_request", "message": f"unknown type {kind!r}"})
+
+    async def commands_push(self, event):
+        """Deliver every pending command (also after a reconnect: they were persisted first)."""
+        for command in await database_sync_to_async(bridge.commands_to_deliver)(connection_id=self.connection_id):
+            await self._send(command)
+
+    async def _send(self, message: dict):
+        await self.send(text_data=protocol.encode(message))
