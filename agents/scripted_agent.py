@@ -63,8 +63,8 @@ class Refused(Exception):
 
 # ------------------------------------------------------------------------------------------ output
 
-def emit(kind: str, **data) -> None:
-    line = json.dumps({"type": kind, **data}, separators=(",", ":"), default=str)
+def emit(event_type: str, /, **data) -> None:
+    line = json.dumps({"type": event_type, **data}, separators=(",", ":"), default=str)
     try:
         sys.stdout.write(line + "\n")
         sys.stdout.flush()
