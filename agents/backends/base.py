@@ -191,7 +191,7 @@ def first(mapping: Any, *keys: str) -> Any:
     return None
 
 
-def _int(value: Any) -> int:
+def as_int(value: Any) -> int:
     try:
         return max(0, int(value))
     except (TypeError, ValueError):
@@ -208,13 +208,13 @@ def normalise_usage(raw: Any) -> dict[str, int] | None:
     if not isinstance(raw, Mapping):
         return None
     usage = {
-        "input": _int(first(raw, "input_tokens", "inputTokens", "input", "prompt_cache_miss_tokens",
+        "input": as_int(first(raw, "input_tokens", "inputTokens", "input", "prompt_cache_miss_tokens",
                             "prompt_tokens", "promptTokens")),
-        "output": _int(first(raw, "output_tokens", "outputTokens", "output", "completion_tokens",
+        "output": as_int(first(raw, "output_tokens", "outputTokens", "output", "completion_tokens",
                              "completionTokens")),
-        "cache_read": _int(first(raw, "cache_read_input_tokens", "cacheReadInputTokens", "cache_read",
+        "cache_read": as_int(first(raw, "cache_read_input_tokens", "cacheReadInputTokens", "cache_read",
                                  "cacheReadTokens", "prompt_cache_hit_tokens")),
-        "cache_write": _int(first(raw, "cache_creation_input_tokens", "cacheCreationInputTokens",
+        "cache_write": as_int(first(raw, "cache_creation_input_tokens", "cacheCreationInputTokens",
                                   "cache_write", "cacheWriteTokens")),
     }
     return usage
@@ -225,7 +225,7 @@ def usage_total(events: Iterable[AgentEvent]) -> dict[str, int]:
     for event in events:
         if event.kind == EV_USAGE:
             for key in USAGE_KEYS:
-                total[key] += _int(event.data.get(key))
+                total[key] += as_int(event.data.get(key))
     return total
 
 

@@ -1,0 +1,115 @@
+"""Backend ``codex``: OpenAI Codex CLI in non-interactive mode with JSON Lines output.
+
+    new:    codex exec --json --skip-git-repo-check --sandbox workspace-write --cd <cwd> [ARGS] -
+    resume: codex exec --json --skip-git-repo-check --sandbox workspace-write --cd <cwd> [ARGS] resume <id> -
+
+``-`` makes Codex read the prompt from stdin. ``exec`` is read-only by default, so the adapter asks
+for the ``workspace-write`` sandbox; CHORUS_CODEX_ARGS adds options (e.g. ``--model``). Each
+stdout line is one event:
+
+* ``thread.started`` {thread_id} — the session id ``codex exec resume`` accepts;
+* ``turn.started``; ``turn.completed`` {usage: input_tokens, cached_input_tokens, output_tokens};
+  ``turn.failed`` {error: {message}}; ``error`` {message} (also transient reconnect notices);
+* ``item.started`` / ``item.updated`` / ``item.completed`` {item: {id, type, …}} with item types
+  ``agent_message`` {text}, ``reasoning`` {text}, ``command_execution`` {command,
+  aggregated_output, exit_code, status}, ``file_change`` {changes: [{path, kind}], status},
+  ``mcp_tool_call`` {server, tool, arguments, status}, ``web_search`` {query}, ``todo_list``
+  {items}, ``error`` {message}. Older releases spell the item type ``item_type``.
+
+Codex prints no separate final reply: after ``turn.completed`` the last agent message is the
+final reply (``finish``). ``input`` usage excludes the cached part (Codex counts it inside
+``input_tokens``). No protocol stop in exec mode: SIGINT ends the run.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+from collections.abc import Mapping
+
+from agents.protocol import EV_FINAL, EV_PROGRESS, EV_SESSION, EV_TEXT, EV_TOOL, EV_USAGE, AgentEvent
+
+from .base import Backend, LaunchSpec, as_int, error_event, first, last_text, summarise
+
+TRANSIENT_RE = re.compile(r"reconnecting|retrying|stream disconnected", re.IGNORECASE)
+
+
+class CodexBackend(Backend):
+    name = "codex"
+    binary = "codex"
+
+    def command(self, *, prompt: str, cwd: str, backend_session_id: str | None,
+                env: Mapping[str, str]) -> LaunchSpec:
+        argv = [self.executable, "exec", "--json", "--skip-git-repo-check", "--sandbox", "workspace-write",
+                "--cd", cwd, *self.extra_args]
+        if backend_session_id:
+            argv += ["resume", backend_session_id]
+        return LaunchSpec(argv=argv + ["-"], stdin=prompt, env=dict(env), cwd=cwd)
+
+    def takeover_command(self, backend_session_id: str | None, cwd: str) -> str | None:
+        return f"codex exec resume {shlex.quote(backend_session_id)}" if backend_session_id else None
+
+    def parse_event(self, obj: dict) -> list[AgentEvent]:
+        kind = obj.get("type")
+        if kind == "thread.started" and obj.get("thread_id"):
+            return [AgentEvent(EV_SESSION, {"id": str(obj["thread_id"])})]
+        if kind == "turn.started":
+            return [AgentEvent(EV_PROGRESS, {"message": "turn started"})]
+        if kind == "turn.completed":
+            events = [AgentEvent(EV_PROGRESS, {"message": "turn completed", "turn_completed": True})]
+            usage = obj.get("usage")
+            if isinstance(usage, Mapping):
+                total, cached = as_int(usage.get("input_tokens")), as_int(usage.get("cached_input_tokens"))
+                events.insert(0, AgentEvent(EV_USAGE, {"input": max(0, total - cached),
+                                                       "output": as_int(usage.get("output_tokens")),
+                                                       "cache_read": cached, "cache_write": 0}))
+            return events
+        if kind == "turn.failed":
+            return [error_event(first(obj.get("error"), "message") or "turn failed")]
+        if kind == "error":
+            message = str(obj.get("message") or "error")
+            if TRANSIENT_RE.search(message):
+                return [AgentEvent(EV_PROGRESS, {"message": message})]
+            return [error_event(message)]
+        if kind in ("item.started", "item.completed") and isinstance(obj.get("item"), Mapping):
+            return self._item(obj["item"], completed=kind == "item.completed")
+        return []
+
+    def _item(self, item: Mapping, *, completed: bool) -> list[AgentEvent]:
+        kind = item.get("type") or item.get("item_type")
+        if not completed:
+            if kind == "command_execution":
+                return [AgentEvent(EV_PROGRESS, {"message": f"running: {summarise(item.get('command') or '', 120)}"})]
+            return []
+        if kind == "agent_message" and str(item.get("text", "")).strip():
+            return [AgentEvent(EV_TEXT, {"text": item["text"]})]
+        if kind == "command_execution":
+            return [AgentEvent(EV_TOOL, {"name": "shell", "input": {"command": summarise(item.get("command") or "")},
+                                         "status": item.get("status"), "exit_code": item.get("exit_code"),
+                                         "id": item.get("id")})]
+        if kind == "file_change":
+            changes = [{"path": c.get("path"), "kind": c.get("kind")} for c in item.get("changes") or []
+                       if isinstance(c, Mapping)]
+            return [AgentEvent(EV_TOOL, {"name": "apply_patch", "input": summarise({"changes": changes}),
+                                         "status": item.get("status"), "id": item.get("id")})]
+        if kind == "mcp_tool_call":
+            name = ".".join(str(p) for p in (item.get("server"), item.get("tool")) if p) or "mcp"
+            return [AgentEvent(EV_TOOL, {"name": name, "input": summarise(item.get("arguments") or {}),
+                                         "status": item.get("status"), "id": item.get("id")})]
+        if kind == "web_search":
+            return [AgentEvent(EV_TOOL, {"name": "web_search", "input": {"query": summarise(item.get("query") or "")},
+                                         "id": item.get("id")})]
+        if kind == "todo_list":
+            return [AgentEvent(EV_PROGRESS, {"message": "plan updated", "items": summarise(item.get("items") or [])})]
+        if kind == "error":
+            return [error_event(item.get("message") or "error", item=True)]
+        return []  # reasoning and anything newer
+
+    def finish(self, events: list[AgentEvent]) -> list[AgentEvent]:
+        if any(e.kind == EV_FINAL for e in events):
+            return []
+        if not any(e.kind == EV_PROGRESS and e.data.get("turn_completed") for e in events):
+            return []
+        text = last_text(events)
+        return [AgentEvent(EV_FINAL, {"text": text})] if text is not None else []
+
