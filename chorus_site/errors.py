@@ -15,6 +15,7 @@ HTTP_STATUS = {
     "connection_offline": 409,
     "process_alive": 409,
     "cursor_ahead": 409,
+    "changes_unacknowledged": 409,
     "conflict": 409,
     "cursor_expired": 410,
     "validation_error": 422,

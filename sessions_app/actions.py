@@ -98,7 +98,7 @@ def _queue_turn(session: Session, *, trigger: str, prompt: str, actor) -> dict:
         event_append(stream=session.stream, kind="turn.waiting", actor=actor_name(actor),
                      data={"id": str(turn.pk), "wait_reason": "directory_busy",
                            "unblock": "it starts when the running turn of this session ends"})
-    transaction.on_commit(lambda: session_dispatch(session_id=session.pk))
+    session_dispatch(session_id=session.pk)
     return {"changed": True, "session": str(session.pk), "turn": str(turn.pk), "queued": busy}
 
 
@@ -197,7 +197,7 @@ def turn_interrupt(*, actor, turn_id, client: str = "api", reason: str | None = 
                                             stop_state=states.STOP_CONFIRMED, actor=actor)
             _audit(actor, "turn.interrupt", target, "settled (never started)", client=client, reason=reason,
                    idempotency_key=idempotency_key)
-            transaction.on_commit(lambda: session_dispatch(session_id=turn.session_id))
+            session_dispatch(session_id=turn.session_id)
             return {"changed": True, "dispatched": False, "settled": True, "status": turn.status,
                     "stop_state": turn.stop_state}
         if turn.status not in {states.RUNNING, states.REQUIRES_ACTION, states.PENDING}:
@@ -298,7 +298,7 @@ def turn_mark_interrupted(*, actor, turn_id, evidence: dict, client: str = "api"
                                         data={"evidence": evidence["basis"]})
         _audit(actor, "turn.mark_interrupted", target, f"settled ({evidence['basis']})", client=client,
                reason=reason, idempotency_key=idempotency_key)
-        transaction.on_commit(lambda: session_dispatch(session_id=turn.session_id))
+        session_dispatch(session_id=turn.session_id)
     return {"changed": True, "status": turn.status, "evidence": evidence}
 
 

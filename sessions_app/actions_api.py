@@ -5,7 +5,7 @@ from __future__ import annotations
 from uuid import UUID
 
 from django.db import transaction
-from ninja import Schema
+from ninja import Schema, Status
 
 from chorus_site.api import ErrorBody, require_perm
 from chorus_site.audit import audit_record
@@ -25,7 +25,7 @@ def act(request, *, perm: str, route: str, body: dict, action, status: int = 200
     key = request.headers.get("Idempotency-Key")
     code, answer, _ = idempotent_call(user=user, route=route, key=key, body=body,
                                       action=lambda: (status, action(user, key)))
-    return code, answer
+    return Status(code, answer)
 
 
 class StartIn(Schema):

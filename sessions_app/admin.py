@@ -1,14 +1,14 @@
 """Sessions section of the ops admin (SPEC §3.1): read views with live badges and timelines."""
 
 from django.contrib import admin, messages
-from django.urls import reverse
+from django.urls import path, reverse
 from django.utils.html import format_html
 
 from chorus_site.admin_base import OpsAdmin, live_badge
 from chorus_site.audit import audit_record
 from chorus_site.permissions import can_view_diagnostics
 
-from . import selectors
+from . import actions, admin_views, selectors
 from .models import Connection, ControlCommand, Session, TranscriptMessage, Turn
 from .services import connection_register
 
@@ -20,6 +20,7 @@ class ConnectionAdmin(OpsAdmin):
     list_filter = ["status", "backend"]
     search_fields = ["name", "host"]
     live_streams = ("dashboard",)
+    change_form_template = "admin/sessions_app/connection/change_form.html"
     fields_on_add = ["name", "host", "backend", "cwds", "max_concurrency", "sigint_timeout_s"]
 
     @admin.display(description="status", ordering="status")
@@ -55,6 +56,14 @@ class ConnectionAdmin(OpsAdmin):
     def log_addition(self, request, obj, message):
         return None  # the audit entry above records it
 
+    def get_urls(self):
+        view = self.admin_site.admin_view
+        return [path("<path:object_id>/start/", view(lambda r, object_id: admin_views.connection_start_view(
+            self, r, object_id)), name="sessions_app_connection_start")] + super().get_urls()
+
+    def extra_detail_context(self, request, obj):
+        return {"can_start": request.user.has_perm("sessions_app.start_session")}
+
 
 class TurnLinkMixin:
     @admin.display(description="turn")
@@ -79,8 +88,22 @@ class SessionAdmin(OpsAdmin):
     def object_stream(self, obj):
         return obj.stream
 
+    def get_urls(self):
+        view = self.admin_site.admin_view
+        routes = [("resume", admin_views.session_resume_view), ("handoff", admin_views.session_handoff_view),
+                  ("message", admin_views.session_message_view)]
+        return [path(f"<path:object_id>/{name}/", view(self._bind(fn)), name=f"sessions_app_session_{name}")
+                for name, fn in routes] + super().get_urls()
+
+    def _bind(self, fn):
+        return lambda request, object_id: fn(self, request, object_id)
+
     def extra_detail_context(self, request, obj):
+        user = request.user
         return {
+            "can_resume": user.has_perm("sessions_app.resume_session"),
+            "can_handoff": user.has_perm("sessions_app.handoff_session"),
+            "can_message": user.has_perm("sessions_app.message_session") and obj.status == "active",
             "turns": list(obj.turns.order_by("-seq")[:50]),
             "transcript": list(obj.transcript.order_by("-id")[:20])[::-1],
             "takeover": selectors.takeover_for(obj),
@@ -101,6 +124,39 @@ class TurnAdmin(TurnLinkMixin, OpsAdmin):
     live_streams = ("dashboard",)
     change_form_template = "admin/sessions_app/turn/change_form.html"
     exclude = ["wake_error"]  # shown by the template, details only to ops_diagnostics
+    actions = ["interrupt_selected", "mark_interrupted_selected"]
+
+    def get_urls(self):
+        view = self.admin_site.admin_view
+        routes = [("interrupt", admin_views.turn_interrupt_view),
+                  ("mark-interrupted", admin_views.turn_mark_interrupted_view)]
+        return [path(f"<path:object_id>/{name}/", view(self._bind(fn)),
+                     name=f"sessions_app_turn_{name.replace('-', '_')}") for name, fn in routes] + super().get_urls()
+
+    def _bind(self, fn):
+        return lambda request, object_id: fn(self, request, object_id)
+
+    @admin.action(description="Interrupt selected turns", permissions=["interrupt"])
+    def interrupt_selected(self, request, queryset):
+        return admin_views.bulk_turns(
+            self, request, queryset, perm="sessions_app.interrupt_turn", label="Interrupt selected turns",
+            run=lambda turn: actions.turn_interrupt(actor=request.user, turn_id=turn.pk, client="admin"))
+
+    @admin.action(description="Clear selected stuck turns (mark interrupted)", permissions=["mark_interrupted"])
+    def mark_interrupted_selected(self, request, queryset):
+        def run(turn):
+            evidence = actions.turn_gather_evidence(turn_id=turn.pk, probe_wait_s=1.0)
+            return actions.turn_mark_interrupted(actor=request.user, turn_id=turn.pk, evidence=evidence,
+                                                 client="admin")
+
+        return admin_views.bulk_turns(self, request, queryset, perm="sessions_app.mark_interrupted_turn",
+                                      label="Clear selected stuck turns", run=run)
+
+    def has_interrupt_permission(self, request):
+        return request.user.has_perm("sessions_app.interrupt_turn")
+
+    def has_mark_interrupted_permission(self, request):
+        return request.user.has_perm("sessions_app.mark_interrupted_turn")
 
     @admin.display(description="status", ordering="status")
     def status_badge(self, obj):
@@ -124,7 +180,11 @@ class TurnAdmin(TurnLinkMixin, OpsAdmin):
         if show_details:
             audit_record(actor=request.user, action="diagnostics.view", target=f"turn:{obj.pk}", outcome="shown",
                          client="admin")
+        active = obj.status in {"running", "requires_action", "pending"}
         return {
+            "can_interrupt": active and request.user.has_perm("sessions_app.interrupt_turn"),
+            "can_mark_interrupted": obj.status in {"running", "requires_action"}
+            and request.user.has_perm("sessions_app.mark_interrupted_turn"),
             "wake_error": selectors.wake_error_out(obj.wake_error, with_details=show_details),
             "status_badge": live_badge(obj, label=obj.status_label),
             "stop_badge": live_badge(obj, "stop_state"),

@@ -235,15 +235,16 @@ def _apply_advance(connection: Connection, turn_id, report: dict) -> dict:
         if turn.final_reply:
             services.transcript_append(session_id=session.pk, role="assistant", text=turn.final_reply,
                                        turn_id=turn.pk)
-        transaction.on_commit(lambda: _dispatch_next_after_commit(session.pk))
+        _dispatch_next(session.pk)
     return {"turn": str(turn.pk), "status": turn.status, "stop_state": turn.stop_state}
 
 
-def _dispatch_next_after_commit(session_id) -> None:
+def _dispatch_next(session_id) -> None:
     from .actions import session_dispatch
 
     try:
-        session_dispatch(session_id=session_id)
+        with transaction.atomic():
+            session_dispatch(session_id=session_id)
     except ApplicationError:
         log.info("next pending turn of %s not dispatched", session_id, exc_info=True)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from uuid import UUID
 
-from ninja import Router, Schema
+from ninja import Router, Schema, Status
 from ninja.security import HttpBearer
 
 from chorus_site.api import ErrorBody
@@ -60,17 +60,17 @@ class SnapshotIn(Schema):
 def daemon_advance(request, turn_id: UUID, body: AdvanceIn):
     status, answer, _ = bridge.report_advance(connection=request.auth, turn_id=turn_id,
                                               report=body.dict(exclude_none=True))
-    return status, answer
+    return Status(status, answer)
 
 
 @router.post("/daemon/turns/{turn_id}/events", response={200: dict, **ERRORS}, summary="Daemon: a batch of agent events")
 def daemon_events(request, turn_id: UUID, body: EventsIn):
     report = {"report_id": body.report_id, "events": [e.dict() for e in body.events]}
     status, answer, _ = bridge.report_events(connection=request.auth, turn_id=turn_id, report=report)
-    return status, answer
+    return Status(status, answer)
 
 
 @router.post("/daemon/snapshot", response={200: dict, **ERRORS}, summary="Daemon: its running turns")
 def daemon_snapshot(request, body: SnapshotIn):
     bridge.connection_store_snapshot(connection_id=request.auth.pk, running=body.running)
-    return 200, {"stored": len(body.running)}
+    return Status(200, {"stored": len(body.running)})
