@@ -55,6 +55,21 @@ def connection_register(
     return connection, key
 
 
+def connection_rotate_key(*, connection_id, cwds: list[str] | None = None, actor=None) -> str:
+    """Issue a new key (the old one stops working at once); returns it, shown once."""
+    prefix = secrets.token_hex(4)
+    key = f"chk_{prefix}_{secrets.token_urlsafe(32)}"
+    updates = {"key_prefix": prefix, "key_hash": connection_key_hash(key)}
+    if cwds is not None:
+        updates["cwds"] = cwds
+    with transaction.atomic():
+        if Connection.objects.filter(pk=connection_id).update(**updates) != 1:
+            raise ApplicationError("not_found", f"connection {connection_id} does not exist")
+        event_append(stream=f"connection:{connection_id}", kind="connection.key_rotated",
+                     data={"id": str(connection_id)}, actor=actor_name(actor))
+    return key
+
+
 def connection_set_status(*, connection_id, status: str, actor=None, **updates) -> Connection:
     return transition(
         model=Connection, pk=connection_id, field="status", table=states.CONNECTION_TRANSITIONS, to=status,
