@@ -1,0 +1,445 @@
+"""The Chorus daemon (SPEC §5): holds a connection to the portal and runs agent turns on this machine.
+
+    python manage.py chorus_daemon --portal URL --key KEY [--cwd DIR ...]
+    python -m agents.daemon --portal URL --key KEY ...          (the same, without Django)
+
+* **Connection** — WebSocket ``/ws/daemon/`` with ``Authorization: Bearer KEY``. On connect: ``hello``
+  then a ``snapshot`` of the running set; a ``heartbeat`` every HEARTBEAT_INTERVAL_S; a snapshot on
+  every change of the running set. Any disconnect → reconnect with exponential backoff (0.5 s
+  doubling, capped at 10 s, ±20 % jitter). Agents keep running while disconnected; their reports
+  wait in the spool.
+* **Commands** — every ``command`` is acked. A command id seen before is acked again (and a probe's
+  result sent again) but acted on once. ``start_turn``/``resume`` queue a turn; ``interrupt`` stops
+  one (§4.1); ``probe`` answers ``{"held": bool}``.
+* **Local queue** — at most ``max_concurrency`` agents run at once and at most one turn per session.
+  A start beyond capacity, or for a session with a turn still running here, waits in an in-memory
+  FIFO and starts as soon as both allow (a blocked session does not hold up other sessions). The
+  portal still shows such a turn ``pending``. An interrupt of a queued turn settles it at once
+  (``interrupted(user)``, never started); a shutdown settles queued turns ``interrupted(shutdown)``.
+  A daemon killed with SIGKILL loses its queue (the commands were acked); the portal's reconcile
+  finds those turns by the snapshot.
+* **Reports** — through the spool (``agents.spool``): on disk first, sent in order per turn, retried
+  until the portal answers; spooled reports of an earlier run go first.
+* **Shutdown** (SIGTERM / SIGINT) — stop taking commands (they are not acked, so the portal replays
+  them to the next run), stop queued and running turns (reported ``interrupted(shutdown)``, the
+  verified stop with the usual deadline; a second signal kills at once), flush the spool for up to
+  SHUTDOWN_FLUSH_S, exit. Unsent reports stay spooled for the next start.
+
+Like the rest of the daemon side of ``agents/``, this module imports nothing of the portal.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import signal
+import socket
+import sys
+import time
+from collections import OrderedDict, deque
+from typing import Any, Callable
+
+from agents import protocol as p
+from agents.daemon_config import ConfigError, DaemonConfig
+from agents.process import TreeSampler
+from agents.runner import TurnRequest, TurnRunner, load_backend
+from agents.spool import (
+    ReportSender,
+    Spool,
+    SpoolLocked,
+    make_poster,
+    report_path_advance,
+    report_path_events,
+)
+
+log = logging.getLogger("chorus.daemon")
+
+DAEMON_VERSION = "0.1.0"
+RECONNECT_FIRST_S = 0.5
+RECONNECT_CAP_S = 10.0
+STABLE_CONNECTION_S = 10.0     # a connection that lived this long resets the backoff
+SEEN_COMMANDS_MAX = 10000
+FINISHED_TURNS_MAX = 10000
+SHUTDOWN_FLUSH_S = 5.0
+WS_MAX_MESSAGE = 4 * 1024 * 1024
+
+
+class SpoolReporter:
+    """The runners' ``Reporter``: each report is spooled, then sent in order per turn."""
+
+    def __init__(self, sender: ReportSender):
+        self.sender = sender
+
+    def advance(self, turn: str, report: dict) -> None:
+        self.sender.submit(lane=turn, path=report_path_advance(turn), body=report)
+
+    def events(self, turn: str, events: list[dict]) -> None:
+        self.sender.submit(lane=turn, path=report_path_events(turn), body={"report_id": p.new_report_id(),
+                                                                          "events": events})
+
+
+class Daemon:
+    def __init__(self, config: DaemonConfig, *, poster=None, connect: Callable | None = None,
+                 environ: dict[str, str] | None = None, install_signals: bool = True):
+        self.config = config
+        self._poster = poster
+        self._connect = connect
+        self.environ = environ
+        self.install_signals = install_signals
+        self.runners: dict[str, TurnRunner] = {}          # queued or started, not finished
+        self.tasks: dict[str, asyncio.Task] = {}          # turn -> its run() task
+        self.queue: deque[TurnRunner] = deque()
+        self.finished: OrderedDict[str, str] = OrderedDict()
+        self.seen_commands: OrderedDict[str, dict | None] = OrderedDict()  # id -> result sent (or None)
+        self.ws = None
+        self.connection_id: str | None = None
+        self.heartbeat_interval_s = float(p.HEARTBEAT_INTERVAL_S)
+        self.stopping = False
+        self.shutdown_signals = 0
+        self._shutdown = asyncio.Event()
+        self._snapshot_due = False
+        self.connected = asyncio.Event()   # set while a WebSocket is open (tests wait on it)
+        self.sender: ReportSender | None = None
+        self.reporter: SpoolReporter | None = None
+        self.spool: Spool | None = None
+        self.sampler: TreeSampler | None = None
+
+    # ------------------------------------------------------------------ main
+    async def run(self) -> int:
+        self.spool = Spool(self.config.spool_dir)
+        poster = self._poster or make_poster(self.config.api_url(""), self.config.key,
+                                             user_agent=f"chorus-daemon/{DAEMON_VERSION}")
+        self.sender = ReportSender(self.spool, poster)
+        self.reporter = SpoolReporter(self.sender)
+        self.sampler = TreeSampler()
+        backlog = self.sender.load_pending()
+        if backlog:
+            log.info("sending %d report(s) left in the spool by an earlier run", backlog)
+        loop = asyncio.get_running_loop()
+        if self.install_signals:
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.add_signal_handler(sig, self.request_shutdown)
+        log.info("daemon %s: portal %s, cwds %s, backend %s, max %d at once, spool %s", DAEMON_VERSION,
+                 self.config.portal_url, ", ".join(self.config.cwds), self.config.backend,
+                 self.config.max_concurrency, self.config.spool_dir)
+        link = loop.create_task(self._connection_loop(), name="portal-link")
+        try:
+            await self._shutdown.wait()
+            await self._stop_everything()
+        finally:
+            link.cancel()
+            await asyncio.gather(link, return_exceptions=True)
+            await self.sender.close()
+            await self.sampler.close()
+            self.spool.close()
+            if self.install_signals:
+                for sig in (signal.SIGTERM, signal.SIGINT):
+                    loop.remove_signal_handler(sig)
+        left = self.spool.count()
+        log.info("daemon stopped%s", f"; {left} report(s) stay spooled for the next start" if left else "")
+        return 0
+
+    def request_shutdown(self) -> None:
+        self.shutdown_signals += 1
+        if self.shutdown_signals == 1:
+            log.info("shutting down: stopping %d turn(s)", len(self.runners))
+            self.stopping = True
+            self._shutdown.set()
+        else:
+            log.warning("second stop signal: killing the agents' process trees now")
+            for runner in list(self.runners.values()):
+                runner.escalate_now()
+
+    async def _stop_everything(self) -> None:
+        self.stopping = True
+        while self.queue:
+            runner = self.queue.popleft()
+            runner.interrupt(reason="shutdown")
+            self._launch(runner)
+        for runner in list(self.runners.values()):
+            runner.interrupt(reason="shutdown", timeout_s=self.config.sigint_timeout_s)
+            if self.shutdown_signals > 1:
+                runner.escalate_now()
+        if self.tasks:
+            await asyncio.gather(*self.tasks.values(), return_exceptions=True)
+        await self._send_snapshot()
+        if not await self.sender.drain(SHUTDOWN_FLUSH_S):
+            log.warning("the portal did not take every report within %g s", SHUTDOWN_FLUSH_S)
+        if self.ws is not None:
+            try:
+                await self.ws.close()
+            except Exception:  # noqa: BLE001
+                pass
+
+    # ------------------------------------------------------------------ the portal link
+    async def _connection_loop(self) -> None:
+        delay = RECONNECT_FIRST_S
+        while True:
+            opened_at = None
+            try:
+                async with self._open() as ws:
+                    opened_at = time.monotonic()
+                    self.ws = ws
+                    self.connected.set()
+                    log.info("connected to %s", self.config.ws_url)
+                    await self._on_connected(ws)
+                    await self._serve(ws)
+                log.info("the portal closed the connection")
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 — every failure means: wait, then reconnect
+                log.warning("portal connection: %s", _describe_ws_error(exc))
+            finally:
+                self.ws = None
+                self.connected.clear()
+            if opened_at is not None and time.monotonic() - opened_at >= STABLE_CONNECTION_S:
+                delay = RECONNECT_FIRST_S
+            await asyncio.sleep(delay * (0.8 + 0.4 * random.random()))  # noqa: S311 — jitter
+            delay = min(RECONNECT_CAP_S, delay * 2)
+
+    def _open(self):
+        headers = {"Authorization": f"Bearer {self.config.key}"}
+        if self._connect is not None:
+            return self._connect(self.config.ws_url, headers)
+        from websockets.asyncio.client import connect
+
+        return connect(self.config.ws_url, additional_headers=headers, open_timeout=15, ping_interval=20,
+                       ping_timeout=20, close_timeout=5, max_size=WS_MAX_MESSAGE,
+                       user_agent_header=f"chorus-daemon/{DAEMON_VERSION}")
+
+    async def _on_connected(self, ws) -> None:
+        await self._send({"type": p.HELLO, "version": DAEMON_VERSION, "protocol": p.PROTOCOL_VERSION,
+                          "host": socket.gethostname(), "backends": [self.config.backend],
+                          "cwds": list(self.config.cwds), "max_concurrency": self.config.max_concurrency,
+                          "sigint_timeout_s": self.config.sigint_timeout_s}, ws)
+        await self._send_snapshot(ws)
+        self.sender.kick()  # the portal is reachable: retry waiting reports now
+
+    async def _serve(self, ws) -> None:
+        heartbeat = asyncio.get_running_loop().create_task(self._heartbeats(ws), name="heartbeat")
+        try:
+            async for raw in ws:
+                try:
+                    message = p.decode(raw)
+                except ValueError as exc:
+                    log.warning("ignoring a malformed message from the portal: %s", exc)
+                    continue
+                await self._handle(message, ws)
+        finally:
+            heartbeat.cancel()
+            await asyncio.gather(heartbeat, return_exceptions=True)
+
+    async def _heartbeats(self, ws) -> None:
+        while True:
+            await asyncio.sleep(self.heartbeat_interval_s)
+            await self._send({"type": p.HEARTBEAT}, ws)
+
+    async def _send(self, message: dict, ws=None) -> bool:
+        ws = ws or self.ws
+        if ws is None:
+            return False
+        try:
+            await ws.send(p.encode(message))
+            return True
+        except Exception as exc:  # noqa: BLE001 — a closed socket: the reconnect resends what matters
+            log.debug("could not send %s: %s", message.get("type"), exc)
+            return False
+
+    # ------------------------------------------------------------------ messages
+    async def _handle(self, message: dict, ws) -> None:
+        kind = message["type"]
+        if kind == p.WELCOME:
+            self.connection_id = message.get("connection")
+            try:
+                interval = float(message.get("heartbeat_interval_s") or p.HEARTBEAT_INTERVAL_S)
+                self.heartbeat_interval_s = min(max(interval, 1.0), 60.0)
+            except (TypeError, ValueError):
+                pass
+            log.info("portal welcomes us as connection %s", self.connection_id)
+        elif kind == p.COMMAND:
+            await self._on_command(message, ws)
+        elif kind == p.ERROR:
+            log.warning("portal error %s: %s", message.get("code"), message.get("message"))
+        else:
+            log.debug("ignoring a %r message", kind)
+
+    async def _on_command(self, command: dict, ws) -> None:
+        if self.stopping:
+            return  # not acked: the portal replays it to the next run of this daemon
+        command_id = str(command.get("id") or "")
+        if not command_id:
+            log.warning("ignoring a command without id: %s", command)
+            return
+        await self._send({"type": p.ACK, "command": command_id}, ws)
+        if command_id in self.seen_commands:
+            result = self.seen_commands[command_id]
+            if result is not None:  # the first answer may have been lost with a connection
+                await self._send({"type": p.RESULT, "command": command_id, "result": result}, ws)
+            return
+        self.seen_commands[command_id] = None
+        while len(self.seen_commands) > SEEN_COMMANDS_MAX:
+            self.seen_commands.popitem(last=False)
+        action = command.get("action")
+        try:
+            if action in (p.START_TURN, p.RESUME):
+                self.start_turn(command)
+            elif action == p.INTERRUPT:
+                self.interrupt_turn(command)
+            elif action == p.PROBE:
+                result = {"held": self.holds(command.get("turn"))}
+                self.seen_commands[command_id] = result
+                await self._send({"type": p.RESULT, "command": command_id, "result": result}, ws)
+            else:
+                log.warning("unknown command action %r (command %s)", action, command_id)
+        except Exception:  # noqa: BLE001 — one bad command must not take the link down
+            log.exception("command %s (%s) failed", command_id, action)
+
+    # ------------------------------------------------------------------ turns
+    def holds(self, turn: Any) -> bool:
+        runner = self.runners.get(str(turn)) if turn else None
+        return runner is not None and runner.held()
+
+    def start_turn(self, command: dict) -> None:
+        request = TurnRequest.from_command(command)
+        if request.turn in self.runners or request.turn in self.finished:
+            log.info("turn %s is already known here; start ignored", request.turn)
+            return
+        runner = TurnRunner(request, allowed_cwds=self.config.cwds, default_backend=self.config.backend,
+                            sigint_timeout_s=self.config.sigint_timeout_s, reporter=self.reporter,
+                            sampler=self.sampler, on_change=self.running_set_changed, environ=self.environ)
+        self.runners[request.turn] = runner
+        self.queue.append(runner)
+        self._pump()
+        if runner in self.queue:
+            log.info("turn %s waits: %d running (max %d)%s", request.turn, len(self.tasks),
+                     self.config.max_concurrency, ", its session is busy" if self._session_busy(runner) else "")
+
+    def interrupt_turn(self, command: dict) -> None:
+        turn = str(command.get("turn") or "")
+        payload = command.get("payload") if isinstance(command.get("payload"), dict) else {}
+        timeout = payload.get("sigint_timeout_s")
+        try:
+            timeout = float(timeout) if timeout is not None else self.config.sigint_timeout_s
+        except (TypeError, ValueError):
+            timeout = self.config.sigint_timeout_s
+        runner = self.runners.get(turn)
+        if runner is None:
+            if turn and turn not in self.finished:
+                # Not ours to stop (§4.1): nothing runs here for it, so it is stopped; say so at once.
+                self.reporter.advance(turn, p.AdvanceReport(report_id=p.new_report_id(), status=p.INTERRUPTED,
+                                                            reason="user", stop_state=p.STOP_CONFIRMED).as_dict())
+            return
+        if runner in self.queue:  # never started: settle it now
+            self.queue.remove(runner)
+            runner.interrupt(reason="user")
+            self._launch(runner)
+            return
+        if not runner.interrupt(reason="user", timeout_s=timeout):
+            log.info("turn %s: interrupt ignored (already stopping or exited)", turn)
+
+    def _session_busy(self, runner: TurnRunner) -> bool:
+        session = runner.request.session or runner.turn
+        return any((r.request.session or r.turn) == session for t, r in self.runners.items() if t in self.tasks)
+
+    def _pump(self) -> None:
+        """Start every queued turn that capacity and its session allow, oldest first."""
+        for runner in list(self.queue):
+            if len(self.tasks) >= self.config.max_concurrency:
+                break
+            if self._session_busy(runner):
+                continue
+            self.queue.remove(runner)
+            self._launch(runner)
+
+    def _launch(self, runner: TurnRunner) -> None:
+        task = asyncio.get_running_loop().create_task(runner.run(), name=f"turn-{runner.turn}")
+        self.tasks[runner.turn] = task
+        task.add_done_callback(lambda _t, turn=runner.turn: self._finished(turn))
+
+    def _finished(self, turn: str) -> None:
+        self.tasks.pop(turn, None)
+        runner = self.runners.pop(turn, None)
+        self.finished[turn] = runner.status if runner else "?"
+        while len(self.finished) > FINISHED_TURNS_MAX:
+            self.finished.popitem(last=False)
+        if not self.stopping:
+            self._pump()
+        self.running_set_changed()
+
+    # ------------------------------------------------------------------ snapshots
+    def running(self) -> list[dict]:
+        turns = (runner.running_turn() for runner in self.runners.values())
+        return [t.as_dict() for t in turns if t is not None]
+
+    def running_set_changed(self) -> None:
+        """Send a snapshot soon (changes in one loop iteration are coalesced into one)."""
+        if self._snapshot_due:
+            return
+        self._snapshot_due = True
+        asyncio.get_running_loop().call_soon(lambda: asyncio.ensure_future(self._send_snapshot()))
+
+    async def _send_snapshot(self, ws=None) -> None:
+        self._snapshot_due = False
+        await self._send({"type": p.SNAPSHOT, "running": self.running()}, ws)
+
+
+def _describe_ws_error(exc: BaseException) -> str:
+    status = getattr(getattr(exc, "response", None), "status_code", None)
+    if status in (401, 403):
+        return f"the portal refused the connection key (HTTP {status}); check --key / CHORUS_DAEMON_KEY"
+    if status is not None:
+        return f"the portal answered HTTP {status} instead of opening the WebSocket"
+    if isinstance(exc, (ConnectionRefusedError, socket.gaierror, TimeoutError, asyncio.TimeoutError)):
+        return f"the portal is unreachable ({exc.__class__.__name__}: {exc})"
+    return f"{exc.__class__.__name__}: {exc}"
+
+
+# ------------------------------------------------------------------ entry points
+
+def configure_logging(level: int = logging.INFO) -> None:
+    root = logging.getLogger("chorus")
+    if not root.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        root.addHandler(handler)
+    root.setLevel(level)
+    root.propagate = False
+
+
+def check_backend(name: str) -> None:
+    try:
+        load_backend(name)
+    except KeyError as exc:
+        raise ConfigError(str(exc.args[0] if exc.args else exc)) from None
+
+
+def main(config: DaemonConfig) -> int:
+    """Run the daemon until SIGTERM/SIGINT. Returns the process exit status."""
+    configure_logging()
+    check_backend(config.backend)
+    try:
+        return asyncio.run(Daemon(config).run())
+    except SpoolLocked as exc:
+        log.error("%s", exc)
+        return 2
+
+
+def cli(argv: list[str] | None = None) -> int:
+    import argparse
+
+    from agents.daemon_config import add_arguments, config_from_sources, options_from_namespace
+
+    parser = argparse.ArgumentParser(prog="python -m agents.daemon", description="The Chorus Ops daemon.")
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        config = config_from_sources(options_from_namespace(args), config_path=args.config)
+        check_backend(config.backend)
+    except ConfigError as exc:
+        parser.exit(2, f"chorus daemon: {exc}\n")
+    return main(config)
+
+
+if __name__ == "__main__":
+    sys.exit(cli())
