@@ -22,6 +22,13 @@ class SessionCookieAuth(APIKeyCookie):
 
     param_name = settings.SESSION_COOKIE_NAME
 
+    def _get_key(self, request):
+        # Without a session cookie this scheme does not apply: let the bearer scheme answer
+        # instead of failing a CSRF check that only protects cookie-authenticated requests.
+        if self.param_name not in request.COOKIES:
+            return None
+        return super()._get_key(request)
+
     def authenticate(self, request, key):
         user = request.user
         return user if user.is_authenticated and user.is_active else None

@@ -174,3 +174,16 @@ def test_events_route_returns_events_after_cursor(viewer):
     body = client_for(viewer).get(f"/api/v1/sessions/{turn.session_id}/events?after={events[-1].id}").json()
     assert [e["kind"] for e in body["items"]] == ["turn.status"]
     assert body["items"][0]["data"]["status"] == "running"
+
+
+def test_session_cookie_needs_csrf_on_unsafe_methods_but_bearer_does_not(operator):
+    connection = factories.make_connection()
+    body = {"connection": str(connection.pk), "cwd": "/srv/work", "prompt": "x"}
+    cookie_client = Client(enforce_csrf_checks=True)
+    cookie_client.force_login(operator)
+    refused = cookie_client.post("/api/v1/sessions", data=body, content_type="application/json")
+    assert refused.status_code == 403
+    _token, raw = token_create(user=operator, name="csrf")
+    with_token = Client(enforce_csrf_checks=True).post("/api/v1/sessions", data=body, content_type="application/json",
+                                                        HTTP_AUTHORIZATION=f"Bearer {raw}")
+    assert with_token.status_code == 409  # past auth: the connection is offline

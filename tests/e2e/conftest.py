@@ -39,39 +39,24 @@ def test_database_url() -> str:
     return f"postgres://{auth}@{s['HOST'] or '127.0.0.1'}:{s['PORT'] or 5432}/{s['NAME']}"
 
 
+class PortalUrl(str):
+    """The portal's base URL, carrying its process for tests that stop it."""
+
+    process: subprocess.Popen
+
+
 @pytest.fixture
 def portal_server(transactional_db, tmp_path):
     """daphne serving chorus_site.asgi on a free port, against this test's database."""
     if connection.vendor != "postgresql" or not os.environ.get("REDIS_URL"):
         pytest.fail("the portal process needs DATABASE_URL (PostgreSQL) and REDIS_URL to share state with the test")
     port = free_port()
-    env = {**os.environ, "DATABASE_URL": test_database_url(), "DJANGO_HTTPS": "0", "CHORUS_SERVE_STATIC": "1",
-           "DJANGO_ALLOWED_HOSTS": "127.0.0.1,localhost", "CHORUS_DATA_DIR": str(tmp_path)}
-    log = open(tmp_path / "daphne.log", "w")
-    process = subprocess.Popen(
-        [sys.executable, "-m", "daphne", "-b", "127.0.0.1", "-p", str(port), "chorus_site.asgi:application"],
-        cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-    )
-    url = f"http://127.0.0.1:{port}"
-
-    def up():
-        if process.poll() is not None:
-            raise AssertionError(f"daphne exited: {(tmp_path / 'daphne.log').read_text()[-2000:]}")
-        try:
-            return urllib.request.urlopen(url + "/admin/login/", timeout=1).status == 200
-        except OSError:
-            return False
-
+    url = PortalUrl(f"http://127.0.0.1:{port}")
+    url.process = start_portal(port, tmp_path)
     try:
-        wait_until(up, timeout=30, message="daphne to serve")
         yield url
     finally:
-        process.terminate()
-        try:
-            process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-        log.close()
+        stop_process(url.process)
 
 
 @pytest.fixture
@@ -136,3 +121,86 @@ def celery_worker_process(transactional_db, tmp_path):
         except subprocess.TimeoutExpired:
             process.kill()
         log.close()
+
+
+def start_portal(port: int, tmp_path, name: str = "daphne") -> subprocess.Popen:
+    env = {**os.environ, "DATABASE_URL": test_database_url(), "DJANGO_HTTPS": "0", "CHORUS_SERVE_STATIC": "1",
+           "DJANGO_ALLOWED_HOSTS": "127.0.0.1,localhost", "CHORUS_DATA_DIR": str(tmp_path)}
+    log = open(tmp_path / f"{name}.log", "a")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "daphne", "-b", "127.0.0.1", "-p", str(port), "chorus_site.asgi:application"],
+        cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+    )
+    url = f"http://127.0.0.1:{port}"
+
+    def up():
+        if process.poll() is not None:
+            raise AssertionError(f"daphne exited: {(tmp_path / f'{name}.log').read_text()[-2000:]}")
+        try:
+            return urllib.request.urlopen(url + "/admin/login/", timeout=1).status == 200
+        except OSError:
+            return False
+
+    wait_until(up, timeout=30, message="daphne to serve")
+    return process
+
+
+def stop_process(process: subprocess.Popen, sig=None):
+    if process.poll() is None:
+        process.send_signal(sig or 15)
+        try:
+            process.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(timeout=5)
+
+
+@pytest.fixture
+def celery_beat_worker(transactional_db, tmp_path):
+    """A worker with an embedded beat on the default queue: stop deadlines and the stale sweep."""
+    env = {**os.environ, "DATABASE_URL": test_database_url(), "CHORUS_DATA_DIR": str(tmp_path)}
+    log_path = tmp_path / "celery-beat.log"
+    log = open(log_path, "w")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "celery", "-A", "chorus_site", "worker", "-B", "--pool=solo", "--concurrency=1",
+         "--without-gossip", "--without-mingle", "--loglevel=INFO", "-s", str(tmp_path / "beat-schedule")],
+        cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+    )
+    try:
+        wait_until(lambda: "ready" in log_path.read_text() or process.poll() is not None, timeout=60,
+                   message="the Celery worker to be ready")
+        if process.poll() is not None:
+            raise AssertionError(log_path.read_text()[-3000:])
+        yield process
+    finally:
+        stop_process(process)
+        log.close()
+
+
+class Daemon:
+    """A real ``chorus_daemon`` process for one connection."""
+
+    def __init__(self, portal_url: str, key: str, cwd: str, tmp_path, sigint_timeout_s: int = 2):
+        self.args = [sys.executable, "manage.py", "chorus_daemon", "--portal", portal_url, "--key", key, "--cwd", cwd,
+                     "--backend", "scripted", "--sigint-timeout", str(sigint_timeout_s),
+                     "--spool-dir", str(tmp_path / "spool")]
+        self.env = {k: v for k, v in os.environ.items() if k not in {"DATABASE_URL", "REDIS_URL"}}
+        self.env["CHORUS_SCRIPTED_HOME"] = str(tmp_path / "scripted-home")
+        self.env["CHORUS_DATA_DIR"] = str(tmp_path / "daemon-data")
+        self.log_path = tmp_path / "daemon.log"
+        self.process = None
+
+    def start(self):
+        log = open(self.log_path, "a")
+        self.process = subprocess.Popen(self.args, cwd=ROOT, env=self.env, stdout=log, stderr=subprocess.STDOUT)
+        return self
+
+    def kill(self):
+        stop_process(self.process, 9)
+
+    def stop(self):
+        if self.process is not None:
+            stop_process(self.process)
+
+    def log(self) -> str:
+        return self.log_path.read_text() if self.log_path.exists() else ""
