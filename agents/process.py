@@ -388,14 +388,14 @@ class AgentProcess:
             while (end := chunk.find(b"\n", start)) != -1:
                 if not skipping:
                     buffer += chunk[start:end]
-                    yield buffer.decode("utf-8", "replace").rstrip("\r")
+                    yield bytes(buffer[:MAX_LINE_BYTES]).decode("utf-8", "replace").rstrip("\r")
                 buffer.clear()
                 skipping = False
                 start = end + 1
             if not skipping:
                 buffer += chunk[start:]
                 if len(buffer) > MAX_LINE_BYTES:
-                    yield buffer[:MAX_LINE_BYTES].decode("utf-8", "replace")
+                    yield bytes(buffer[:MAX_LINE_BYTES]).decode("utf-8", "replace")
                     buffer.clear()
                     skipping = True
         if buffer and not skipping:

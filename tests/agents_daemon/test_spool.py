@@ -1,0 +1,175 @@
+"""The report spool: durable, ordered per turn, retried, resent after a restart, exactly once."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+
+import pytest
+
+from agents.spool import ReportSender, Spool, SpoolLocked, TransientError, classify
+
+from .helpers import wait_until
+
+
+class FakePortal:
+    """An async poster: answers from ``answers`` (status per path prefix) or is down."""
+
+    def __init__(self):
+        self.down = False
+        self.received: list[tuple[str, dict]] = []
+        self.applied: dict[str, int] = {}     # report_id -> times applied (the portal dedupes)
+        self.status_for: dict[str, int] = {}  # report_id -> forced status
+
+    async def post(self, path: str, body: dict):
+        await asyncio.sleep(0)
+        if self.down:
+            raise TransientError("ConnectionRefusedError: portal down")
+        self.received.append((path, body))
+        status = self.status_for.get(body["report_id"], 200)
+        if status == 200:
+            self.applied[body["report_id"]] = self.applied.get(body["report_id"], 0) + 1
+        return status, json.dumps({"status": status})
+
+
+def test_put_is_atomic_and_ordered(tmp_path):
+    spool = Spool(str(tmp_path))
+    first = spool.put(lane="t1", path="/daemon/turns/t1/advance", body={"report_id": "a", "status": "running"})
+    spool.put(lane="t2", path="/daemon/turns/t2/events", body={"report_id": "b", "events": []})
+    spool.put(lane="t1", path="/daemon/turns/t1/advance", body={"report_id": "c", "status": "ended"})
+    names = sorted(os.listdir(tmp_path))
+    assert not [n for n in names if n.startswith(".tmp-")]
+    assert [e.report_id for e in spool.pending()] == ["a", "b", "c"]
+    assert json.loads((tmp_path / first.name).read_text())["body"] == {"report_id": "a", "status": "running"}
+    spool.remove(first)
+    spool.remove(first)  # twice is fine
+    assert [e.report_id for e in spool.pending()] == ["b", "c"]
+    spool.close()
+
+
+def test_half_written_and_corrupt_files_on_open(tmp_path):
+    spool = Spool(str(tmp_path))
+    spool.put(lane="t", path="/p", body={"report_id": "ok"})
+    spool.close()
+    (tmp_path / ".tmp-0000000000000009-x.json").write_text('{"lane": "t", "pa')   # a crash mid-write
+    (tmp_path / "0000000000000005-bad.json").write_text("{not json")
+    spool = Spool(str(tmp_path))
+    assert not (tmp_path / ".tmp-0000000000000009-x.json").exists()
+    assert [e.report_id for e in spool.pending()] == ["ok"]
+    assert (tmp_path / "bad" / "0000000000000005-bad.json").exists()
+    # numbering continues after what is on disk: new reports sort after old ones
+    entry = spool.put(lane="t", path="/p", body={"report_id": "new"})
+    assert entry.seq > 5
+    assert [e.report_id for e in spool.pending()] == ["ok", "new"]
+    spool.close()
+
+
+def test_one_daemon_per_spool_dir(tmp_path):
+    spool = Spool(str(tmp_path))
+    with pytest.raises(SpoolLocked):
+        Spool(str(tmp_path))
+    spool.close()
+    Spool(str(tmp_path)).close()
+
+
+@pytest.mark.parametrize("status, outcome", [
+    (200, "done"), (201, "done"), (204, "done"),
+    (400, "drop"), (404, "drop"), (409, "drop"), (422, "drop"),
+    (401, "retry"), (403, "retry"), (408, "retry"), (429, "retry"), (500, "retry"), (502, "retry"), (503, "retry"),
+])
+def test_classify(status, outcome):
+    assert classify(status) == outcome
+
+
+async def test_sends_in_order_per_lane_and_deletes_after_2xx(tmp_path):
+    portal = FakePortal()
+    spool = Spool(str(tmp_path))
+    sender = ReportSender(spool, portal.post, backoff_first_s=0.01)
+    for i in range(5):
+        sender.submit(lane="t1", path="/daemon/turns/t1/events", body={"report_id": f"t1-{i}", "events": []})
+        sender.submit(lane="t2", path="/daemon/turns/t2/events", body={"report_id": f"t2-{i}", "events": []})
+    assert await sender.drain(5)
+    order = [body["report_id"] for _, body in portal.received]
+    assert [r for r in order if r.startswith("t1")] == [f"t1-{i}" for i in range(5)]
+    assert [r for r in order if r.startswith("t2")] == [f"t2-{i}" for i in range(5)]
+    assert spool.count() == 0
+    await sender.close()
+    spool.close()
+
+
+async def test_refused_reports_are_dropped_and_do_not_block_the_lane(tmp_path):
+    portal = FakePortal()
+    portal.status_for = {"r1": 409, "r2": 400}
+    spool = Spool(str(tmp_path))
+    sender = ReportSender(spool, portal.post, backoff_first_s=0.01)
+    for rid in ("r1", "r2", "r3"):
+        sender.submit(lane="t", path="/daemon/turns/t/advance", body={"report_id": rid})
+    assert await sender.drain(5)
+    assert [b["report_id"] for _, b in portal.received] == ["r1", "r2", "r3"]
+    assert sender.dropped == 2 and sender.delivered == 1 and spool.count() == 0
+    await sender.close()
+    spool.close()
+
+
+async def test_retries_with_backoff_and_blocks_only_its_lane(tmp_path):
+    portal = FakePortal()
+    portal.status_for = {"stuck": 503}
+    spool = Spool(str(tmp_path))
+    sender = ReportSender(spool, portal.post, backoff_first_s=0.01, backoff_cap_s=0.05)
+    sender.submit(lane="a", path="/a", body={"report_id": "stuck"})
+    sender.submit(lane="a", path="/a", body={"report_id": "after-stuck"})
+    sender.submit(lane="b", path="/b", body={"report_id": "other"})
+    await wait_until(lambda: portal.applied.get("other") == 1)
+    await wait_until(lambda: sum(1 for _, b in portal.received if b["report_id"] == "stuck") >= 4)
+    assert "after-stuck" not in portal.applied  # strictly in order within the lane
+    portal.status_for = {}
+    sender.kick()
+    assert await sender.drain(5)
+    assert portal.applied == {"other": 1, "stuck": 1, "after-stuck": 1}
+    await sender.close()
+    spool.close()
+
+
+async def test_portal_down_then_daemon_restart_resends_everything_once_in_order(tmp_path):
+    portal = FakePortal()
+    portal.down = True
+    spool = Spool(str(tmp_path))
+    sender = ReportSender(spool, portal.post, backoff_first_s=0.01, backoff_cap_s=0.02)
+    sender.submit(lane="t1", path="/daemon/turns/t1/advance", body={"report_id": "run", "status": "running"})
+    sender.submit(lane="t1", path="/daemon/turns/t1/events", body={"report_id": "ev", "events": [{"kind": "text"}]})
+    sender.submit(lane="t1", path="/daemon/turns/t1/advance", body={"report_id": "end", "status": "ended"})
+    assert not await sender.drain(0.2)
+    await sender.close()          # the daemon stops (or dies) with the portal still down
+    spool.close()
+    assert len([n for n in os.listdir(tmp_path) if n.endswith(".json")]) == 3
+
+    portal.down = False           # the portal is back; the daemon starts again
+    spool = Spool(str(tmp_path))
+    sender = ReportSender(spool, portal.post, backoff_first_s=0.01)
+    assert sender.load_pending() == 3
+    sender.submit(lane="t1", path="/daemon/turns/t1/events", body={"report_id": "later", "events": []})
+    assert await sender.drain(5)
+    assert [b["report_id"] for _, b in portal.received] == ["run", "ev", "end", "later"]
+    assert portal.applied == {"run": 1, "ev": 1, "end": 1, "later": 1}
+    assert spool.count() == 0
+    await sender.close()
+    spool.close()
+
+
+async def test_a_failing_poster_never_loses_a_report(tmp_path):
+    calls = []
+
+    async def broken(path, body):
+        calls.append(body["report_id"])
+        if len(calls) < 3:
+            raise RuntimeError("bug")
+        return 200, ""
+
+    spool = Spool(str(tmp_path))
+    sender = ReportSender(spool, broken, backoff_first_s=0.01)
+    sender.submit(lane="t", path="/p", body={"report_id": "x"})
+    assert await sender.drain(5)
+    assert calls == ["x", "x", "x"] and spool.count() == 0
+    await sender.close()
+    spool.close()
