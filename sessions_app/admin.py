@@ -123,7 +123,6 @@ class TurnAdmin(TurnLinkMixin, OpsAdmin):
     raw_id_fields = ["session"]
     live_streams = ("dashboard",)
     change_form_template = "admin/sessions_app/turn/change_form.html"
-    exclude = ["wake_error"]  # shown by the template, details only to ops_diagnostics
     actions = ["interrupt_selected", "mark_interrupted_selected"]
 
     def get_urls(self):
@@ -166,8 +165,14 @@ class TurnAdmin(TurnLinkMixin, OpsAdmin):
     def stop_state_badge(self, obj):
         return live_badge(obj, "stop_state")
 
+    # Shown live in the State panel instead; a static copy would go stale on the page.
+    live_fields = {"wake_error", "status", "interrupted_reason", "stop_state"}
+
     def get_readonly_fields(self, request, obj=None):
-        return [f for f in super().get_readonly_fields(request, obj) if f != "wake_error"]
+        return [f for f in super().get_readonly_fields(request, obj) if f not in self.live_fields]
+
+    def get_fields(self, request, obj=None):
+        return [f for f in super().get_fields(request, obj) if f not in self.live_fields]
 
     def object_stream(self, obj):
         return obj.stream

@@ -26,10 +26,14 @@ def _require(request, perm):
         raise PermissionDenied
 
 
-def _page(admin, request, obj, *, title, action_label, touched, fields=(), extra=None, danger=False):
+def _page(admin, request, obj, *, title, action_label, touched, fields=(), extra=None, danger=False, values=None):
+    """``fields``: (name, label, kind); ``values`` refill the form after a refusal, so nothing typed is lost."""
+    values = values or {}
+    fields = [(name, label, kind, values.get(name, "")) for name, label, kind in fields]
     context = {
         **admin.admin_site.each_context(request), "opts": admin.model._meta, "original": obj, "title": title,
         "action_label": action_label, "touched": touched, "fields": fields, "nothing_undone": NOTHING_UNDONE,
+        "reason": values.get("reason", ""),
         "danger": danger, **(extra or {}),
     }
     return TemplateResponse(request, "admin/chorus/action_confirm.html", context)
@@ -174,8 +178,9 @@ def connection_start_view(admin, request, object_id):
     connection = admin.get_object(request, object_id)
     if connection is None:
         raise PermissionDenied
-    url = reverse("admin:sessions_app_connection_start", args=[connection.pk])
+    values = {"cwd": connection.cwds[0] if connection.cwds else ""}
     if request.method == "POST":
+        values = request.POST
         try:
             answer = actions.session_start(
                 actor=request.user, connection_id=connection.pk, cwd=request.POST.get("cwd", ""),
@@ -187,9 +192,11 @@ def connection_start_view(admin, request, object_id):
                 messages.warning(request, f"The last turn in this directory was interrupted and reported changes: "
                                           f"{error.detail.get('changes') or 'none listed'}. Tick the acknowledgement "
                                           "to start anyway.")
-                return HttpResponseRedirect(url)
-            return _refused(request, url, error)
-        return _done(request, _session_url(Session.objects.get(pk=answer["session"])), answer, "Session started.")
+            else:
+                messages.error(request, f"Refused ({error.code}): {error.message}")
+        else:
+            return _done(request, _session_url(Session.objects.get(pk=answer["session"])), answer,
+                         "Session started.")
     return _page(admin, request, connection, title=f"Start work on {connection.name}", action_label="Start",
                  touched=[f"A new turn of a session on {connection.name} ({connection.backend}); an existing active "
                           "session with the same idea key continues (and moves here if its directory differs)."],
@@ -197,7 +204,7 @@ def connection_start_view(admin, request, object_id):
                          ("title", "Title", "text"), ("idea_key", "Idea key (optional)", "text"),
                          ("acknowledge_changes", "I have seen the changes of the last interrupted turn here",
                           "checkbox")],
-                 extra={"cwds": connection.cwds})
+                 extra={"cwds": connection.cwds}, values=values)
 
 
 def bulk_turns(admin, request, queryset, *, perm, label, run):

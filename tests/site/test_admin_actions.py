@@ -1,0 +1,104 @@
+"""Operator action pages in the admin: confirmation first, then the service; permissions per role."""
+
+from __future__ import annotations
+
+import pytest
+from django.test import Client
+from django.urls import reverse
+from django.utils import timezone
+
+from chorus_site.models import AuditEntry
+from sessions_app import services
+from sessions_app.models import Connection, Turn
+from tests import factories
+
+pytestmark = pytest.mark.django_db
+
+
+def client_for(user):
+    client = Client()
+    client.force_login(user)
+    return client
+
+
+@pytest.fixture
+def live_connection():
+    connection = factories.make_connection(cwds=["/srv/work"])
+    Connection.objects.filter(pk=connection.pk).update(status="online", last_heartbeat_at=timezone.now())
+    connection.refresh_from_db()
+    return connection
+
+
+def test_interrupt_page_confirms_then_acts_and_audits(operator, viewer, live_connection):
+    session = factories.make_session(connection=live_connection)
+    turn = factories.make_turn(session=session)
+    url = reverse("admin:sessions_app_turn_interrupt", args=[turn.pk])
+    assert client_for(viewer).get(url).status_code == 403
+    page = client_for(operator).get(url)
+    assert page.status_code == 200
+    assert b"What will be touched" in page.content and b"Stopping never undoes work" in page.content
+    done = client_for(operator).post(url, {"reason": "not needed"})
+    assert done.status_code == 302
+    turn.refresh_from_db()
+    assert (turn.status, turn.interrupted_reason) == ("interrupted", "user")
+    entry = AuditEntry.objects.get(action="turn.interrupt", target=f"turn:{turn.pk}")
+    assert (entry.client, entry.reason) == ("admin", "not needed")
+
+
+def test_turn_page_shows_buttons_only_to_operators(operator, viewer, live_connection):
+    turn = factories.make_turn(session=factories.make_session(connection=live_connection))
+    services.turn_set_status(turn_id=turn.pk, status="running")
+    url = reverse("admin:sessions_app_turn_change", args=[turn.pk])
+    assert b"chorus-interrupt" in client_for(operator).get(url).content
+    assert b"chorus-interrupt" not in client_for(viewer).get(url).content
+
+
+def test_start_page_keeps_what_was_typed_when_refused(operator, live_connection):
+    previous = factories.make_turn(session=factories.make_session(connection=live_connection, cwd="/srv/work"))
+    services.turn_set_status(turn_id=previous.pk, status="running")
+    services.turn_set_status(turn_id=previous.pk, status="interrupted", reason="user", changes={"files": ["a.py"]})
+    url = reverse("admin:sessions_app_connection_start", args=[live_connection.pk])
+    client = client_for(operator)
+    refused = client.post(url, {"cwd": "/srv/work", "prompt": "my long instruction", "title": "T"})
+    assert refused.status_code == 200
+    assert b"my long instruction" in refused.content and b"a.py" in refused.content
+    started = client.post(url, {"cwd": "/srv/work", "prompt": "my long instruction", "acknowledge_changes": "1"})
+    assert started.status_code == 302
+    assert Turn.objects.filter(prompt="my long instruction").count() == 1
+
+
+def test_resume_page_shows_the_preflight_and_blocks_offline(operator, live_connection):
+    turn = factories.make_turn(session=factories.make_session(connection=live_connection))
+    services.turn_set_status(turn_id=turn.pk, status="running")
+    services.turn_set_status(turn_id=turn.pk, status="interrupted", reason="user")
+    url = reverse("admin:sessions_app_session_resume", args=[turn.session_id])
+    page = client_for(operator).get(url)
+    assert b'id="chorus-preflight"' in page.content and b"chorus-confirm" in page.content
+    Connection.objects.filter(pk=live_connection.pk).update(status="offline")
+    blocked = client_for(operator).get(url)
+    assert b'id="chorus-blocked"' in blocked.content and b"restore the daemon" in blocked.content
+    assert b"chorus-confirm" not in blocked.content
+
+
+def test_bulk_interrupt_confirms_then_reports_done_and_refused(operator, live_connection):
+    session = factories.make_session(connection=live_connection)
+    pending = factories.make_turn(session=session)
+    ended = factories.make_turn(session=factories.make_session(connection=live_connection))
+    services.turn_set_status(turn_id=ended.pk, status="running")
+    services.turn_set_status(turn_id=ended.pk, status="ended")
+    url = reverse("admin:sessions_app_turn_changelist")
+    data = {"action": "interrupt_selected", "_selected_action": [pending.pk, ended.pk]}
+    confirm = client_for(operator).post(url, data)
+    assert confirm.status_code == 200 and b"Stopping never undoes work" in confirm.content
+    pending.refresh_from_db()
+    assert pending.status == "pending"  # nothing happens before the confirmation
+    result = client_for(operator).post(url, {**data, "confirmed": "yes"}, follow=True)
+    text = result.content.decode()
+    assert "1 done, 0 already so, 1 refused" in text
+    pending.refresh_from_db()
+    assert pending.status == "interrupted"
+
+
+def test_viewer_has_no_bulk_actions(viewer):
+    page = client_for(viewer).get(reverse("admin:sessions_app_turn_changelist"))
+    assert b"interrupt_selected" not in page.content
