@@ -26,14 +26,13 @@ $(VENV)/.installed-test: pyproject.toml | $(BIN)/python
 install: $(VENV)/.installed
 install-test: $(VENV)/.installed-test
 
-## run: the portal in embedded mode (SQLite, in-memory channel layer, in-process tasks), demo data loaded
+## run: embedded mode (SQLite, in-memory channel layer, in-process tasks): demo data, portal and a local daemon
 run: install
 	env -u DATABASE_URL -u REDIS_URL $(BIN)/python manage.py migrate --noinput -v0
 	env -u DATABASE_URL -u REDIS_URL $(BIN)/python manage.py chorus_demo
 	@echo ""
-	@echo "Chorus Ops is starting at http://$(HOST):$(PORT)/admin/  (API: http://$(HOST):$(PORT)/api/v1/docs)"
-	@echo "Log in with one of the demo logins above. Ctrl-C stops everything."
-	env -u DATABASE_URL -u REDIS_URL $(BIN)/daphne -b $(HOST) -p $(PORT) chorus_site.asgi:application
+	@echo "Log in with one of the demo logins above at http://$(HOST):$(PORT)/admin/"
+	env -u DATABASE_URL -u REDIS_URL $(BIN)/python manage.py chorus_serve --host $(HOST) --port $(PORT)
 
 ## test: the whole suite against PostgreSQL and Redis
 test: install-test

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+import signal
 import subprocess
 import sys
 import urllib.error
@@ -82,9 +84,9 @@ def test_embedded_mode_smoke(tmp_path):
     assert (tmp_path / "chorus.sqlite3").exists()
 
     port = free_port()
-    server = subprocess.Popen([sys.executable, "-m", "daphne", "-b", "127.0.0.1", "-p", str(port),
-                               "chorus_site.asgi:application"], cwd=ROOT, env=env,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    # What `make run` starts: the portal, a local daemon with the scripted agent, the sweeps.
+    server = subprocess.Popen([sys.executable, "manage.py", "chorus_serve", "--port", str(port)], cwd=ROOT, env=env,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     base = f"http://127.0.0.1:{port}"
     try:
         def serving():
@@ -108,8 +110,26 @@ def test_embedded_mode_smoke(tmp_path):
         assert "Fix the flaky payments test" in sessions
         static = urllib.request.urlopen(base + "/static/chorus/live.js", timeout=5)
         assert static.status == 200
-        api = opener.open(base + "/api/v1/sessions?limit=2").read().decode()
-        assert '"next_cursor"' in api
+
+        # A new user can start a session on the local daemon and watch it end.
+        token = manage("chorus_token", "create", "--user", "operator", env=env).stdout.strip().splitlines()[-1]
+
+        def call(path, body=None):
+            request = urllib.request.Request(base + "/api/v1" + path, method="POST" if body else "GET",
+                                             data=json.dumps(body).encode() if body else None,
+                                             headers={"Authorization": f"Bearer {token}",
+                                                      "Content-Type": "application/json"})
+            with urllib.request.urlopen(request, timeout=10) as response:
+                return json.loads(response.read())
+
+        local = wait_until(lambda: next((c for c in call("/connections?status=online")["items"]
+                                         if c["name"] == "local-scripted"), None), timeout=30,
+                           message="the local daemon to come online")
+        started = call("/sessions", {"connection": local["id"], "cwd": local["cwds"][0],
+                                     "prompt": "@write hello.txt hi\n@reply Embedded works"})
+        turn = wait_until(lambda: (t := call(f"/turns/{started['turn']}"))["status"] == "ended" and t, timeout=30,
+                          message="the embedded turn to end")
+        assert turn["final_reply"] == "Embedded works"
     finally:
-        server.terminate()
-        server.wait(timeout=10)
+        os.killpg(server.pid, signal.SIGTERM)
+        server.wait(timeout=30)
