@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import random
 import signal
 import socket
@@ -42,6 +43,7 @@ from typing import Any, Callable
 
 from agents import protocol as p
 from agents.daemon_config import ConfigError, DaemonConfig
+from agents.orphans import RunningRegistry, recover_orphans
 from agents.process import TreeSampler
 from agents.runner import TurnRequest, TurnRunner, load_backend
 from agents.spool import (
@@ -62,6 +64,7 @@ STABLE_CONNECTION_S = 10.0     # a connection that lived this long resets the ba
 SEEN_COMMANDS_MAX = 10000
 FINISHED_TURNS_MAX = 10000
 SHUTDOWN_FLUSH_S = 5.0
+SIGNAL_DEBOUNCE_S = 1.0        # Ctrl-C under a supervisor: the tty's SIGINT and the parent's SIGTERM are one request
 WS_MAX_MESSAGE = 4 * 1024 * 1024
 
 
@@ -104,6 +107,10 @@ class Daemon:
         self.reporter: SpoolReporter | None = None
         self.spool: Spool | None = None
         self.sampler: TreeSampler | None = None
+        self.registry: RunningRegistry | None = None
+        self.recovering: set[str] = set()  # turns an earlier, killed run left behind (agents.orphans)
+        self._first_signal_at = 0.0
+        self._background: set[asyncio.Task] = set()
 
     # ------------------------------------------------------------------ main
     async def run(self) -> int:
@@ -116,7 +123,15 @@ class Daemon:
         backlog = self.sender.load_pending()
         if backlog:
             log.info("sending %d report(s) left in the spool by an earlier run", backlog)
+        self.registry = RunningRegistry(os.path.join(self.config.spool_dir, "running"))
+        orphans = self.registry.load()
         loop = asyncio.get_running_loop()
+        recovery = None
+        if orphans:
+            log.warning("%d turn(s) were running when this daemon last died; stopping what is left of them",
+                        len(orphans))
+            self.recovering = {str(r["turn"]) for r in orphans}
+            recovery = loop.create_task(self._recover(orphans), name="recover-orphans")
         if self.install_signals:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(sig, self.request_shutdown)
@@ -126,6 +141,8 @@ class Daemon:
         link = loop.create_task(self._connection_loop(), name="portal-link")
         try:
             await self._shutdown.wait()
+            if recovery is not None:
+                await asyncio.gather(recovery, return_exceptions=True)
             await self._stop_everything()
         finally:
             link.cancel()
@@ -140,9 +157,22 @@ class Daemon:
         log.info("daemon stopped%s", f"; {left} report(s) stay spooled for the next start" if left else "")
         return 0
 
+    async def _recover(self, orphans: list[dict]) -> None:
+        try:
+            await recover_orphans(orphans, self.registry, reporter=self.reporter, sampler=self.sampler,
+                                  sigint_timeout_s=self.config.sigint_timeout_s)
+        except Exception:  # noqa: BLE001
+            log.exception("recovering the turns of an earlier run failed")
+        finally:
+            self.recovering.clear()
+
     def request_shutdown(self) -> None:
+        now = time.monotonic()
+        if self.shutdown_signals and now - self._first_signal_at < SIGNAL_DEBOUNCE_S:
+            return
         self.shutdown_signals += 1
         if self.shutdown_signals == 1:
+            self._first_signal_at = now
             log.info("shutting down: stopping %d turn(s)", len(self.runners))
             self.stopping = True
             self._shutdown.set()
@@ -297,17 +327,20 @@ class Daemon:
 
     # ------------------------------------------------------------------ turns
     def holds(self, turn: Any) -> bool:
+        if turn and str(turn) in self.recovering:
+            return True  # an orphan of an earlier run, being stopped right now
         runner = self.runners.get(str(turn)) if turn else None
         return runner is not None and runner.held()
 
     def start_turn(self, command: dict) -> None:
         request = TurnRequest.from_command(command)
-        if request.turn in self.runners or request.turn in self.finished:
+        if request.turn in self.runners or request.turn in self.finished or request.turn in self.recovering:
             log.info("turn %s is already known here; start ignored", request.turn)
             return
         runner = TurnRunner(request, allowed_cwds=self.config.cwds, default_backend=self.config.backend,
                             sigint_timeout_s=self.config.sigint_timeout_s, reporter=self.reporter,
-                            sampler=self.sampler, on_change=self.running_set_changed, environ=self.environ)
+                            sampler=self.sampler, on_change=self.running_set_changed, environ=self.environ,
+                            registry=self.registry)
         self.runners[request.turn] = runner
         self.queue.append(runner)
         self._pump()
@@ -324,6 +357,8 @@ class Daemon:
         except (TypeError, ValueError):
             timeout = self.config.sigint_timeout_s
         runner = self.runners.get(turn)
+        if turn in self.recovering:
+            return  # being stopped already; its report follows
         if runner is None:
             if turn and turn not in self.finished:
                 # Not ours to stop (§4.1): nothing runs here for it, so it is stopped; say so at once.
@@ -377,7 +412,9 @@ class Daemon:
         if self._snapshot_due:
             return
         self._snapshot_due = True
-        asyncio.get_running_loop().call_soon(lambda: asyncio.ensure_future(self._send_snapshot()))
+        task = asyncio.get_running_loop().create_task(self._send_snapshot())
+        self._background.add(task)  # keep a reference until it is done
+        task.add_done_callback(self._background.discard)
 
     async def _send_snapshot(self, ws=None) -> None:
         self._snapshot_due = False

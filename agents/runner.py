@@ -133,7 +133,7 @@ class TurnRunner:
     def __init__(self, request: TurnRequest, *, allowed_cwds: tuple[str, ...], default_backend: str,
                  sigint_timeout_s: float, reporter: Reporter, sampler: TreeSampler | None = None,
                  on_change: Callable[[], None] | None = None, backend: Any = None,
-                 environ: dict[str, str] | None = None):
+                 environ: dict[str, str] | None = None, registry: Any = None):
         self.request = request
         self.turn = request.turn
         self.allowed_cwds = allowed_cwds
@@ -144,6 +144,7 @@ class TurnRunner:
         self.on_change = on_change or (lambda: None)
         self.backend = backend
         self.environ = dict(os.environ if environ is None else environ)
+        self.registry = registry            # agents.orphans.RunningRegistry: survives a daemon crash
         self.agent: AgentProcess | None = None
         self.status = "pending"            # as last reported: pending | running | requires_action | <final>
         self.summary = TurnSummary()
@@ -218,6 +219,8 @@ class TurnRunner:
                 task.cancel()
             if self.agent is not None:
                 self.agent.close()
+                if self.registry is not None:  # the last report is spooled: nothing to recover
+                    self.registry.remove(self.turn)
             self.done.set()
             self.on_change()
 
@@ -249,6 +252,11 @@ class TurnRunner:
                        details=f"command: {' '.join(spec.argv)[:2000]}\ncwd: {spec.cwd or cwd}")
             return
         self.started_at = time.time()
+        if self.registry is not None:
+            agent = self.agent
+            self.registry.add({"turn": self.turn, "session": request.session, "pid": agent.pid, "pgid": agent.pgid,
+                               "start_time": agent.record.start_time, "spawned_at": agent.spawned_at,
+                               "marker": self.turn, "cwd": cwd, "cmdline": agent.record.cmdline})
         self._advance(p.RUNNING, pid=self.agent.pid)
         self.on_change()
         log.info("turn %s: %s started, pid %s, in %s", self.turn, self.backend_name, self.agent.pid, cwd)
