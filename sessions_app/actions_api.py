@@ -76,6 +76,7 @@ class ConnectionIn(Schema):
     host: str = ""
     max_concurrency: int = 4
     sigint_timeout_s: int = 10
+    auto_resume_crashed: bool = False
 
 
 @router.post("/sessions", response={201: dict, 200: dict, **ERRORS}, summary="Start work (§4.6)")
@@ -175,7 +176,8 @@ def connection_register(request, body: ConnectionIn):
     def register(user, key):
         connection, secret = services.connection_register(
             name=body.name, backend=body.backend, cwds=body.cwds, host=body.host,
-            max_concurrency=body.max_concurrency, sigint_timeout_s=body.sigint_timeout_s, actor=user)
+            max_concurrency=body.max_concurrency, sigint_timeout_s=body.sigint_timeout_s,
+            auto_resume_crashed=body.auto_resume_crashed, actor=user)
         audit_record(actor=user, action="connection.register", target=f"connection:{connection.pk}",
                      outcome="registered", client="api", idempotency_key=key)
         return {"id": str(connection.pk), "name": connection.name, "key": secret}

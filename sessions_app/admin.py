@@ -21,7 +21,7 @@ class ConnectionAdmin(OpsAdmin):
     search_fields = ["name", "host"]
     live_streams = ("dashboard",)
     change_form_template = "admin/sessions_app/connection/change_form.html"
-    fields_on_add = ["name", "host", "backend", "cwds", "max_concurrency", "sigint_timeout_s"]
+    fields_on_add = ["name", "host", "backend", "cwds", "max_concurrency", "sigint_timeout_s", "auto_resume_crashed"]
 
     @admin.display(description="status", ordering="status")
     def status_badge(self, obj):
@@ -45,6 +45,7 @@ class ConnectionAdmin(OpsAdmin):
         connection, key = connection_register(
             name=data["name"], host=data.get("host", ""), backend=data["backend"], cwds=data["cwds"],
             max_concurrency=data["max_concurrency"], sigint_timeout_s=data["sigint_timeout_s"], actor=request.user,
+            auto_resume_crashed=data.get("auto_resume_crashed", False),
         )
         obj.pk = connection.pk
         audit_record(actor=request.user, action="connection.register", target=f"connection:{connection.pk}",

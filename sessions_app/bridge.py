@@ -63,11 +63,38 @@ def connection_daemon_connected(*, connection_id, hello: dict) -> Connection:
     with transaction.atomic():
         connection = Connection.objects.select_for_update().get(pk=connection_id)
         if connection.status == states.CONN_OFFLINE:
-            return services.connection_set_status(connection_id=connection_id, status=states.CONN_ONLINE, **fields)
-        Connection.objects.filter(pk=connection_id).update(**fields)
-        event_append(stream=f"connection:{connection_id}", kind="connection.hello",
-                     data={"id": str(connection_id), "version": fields["daemon_version"]})
-    return Connection.objects.get(pk=connection_id)
+            connection = services.connection_set_status(connection_id=connection_id, status=states.CONN_ONLINE,
+                                                        **fields)
+        else:
+            Connection.objects.filter(pk=connection_id).update(**fields)
+            event_append(stream=f"connection:{connection_id}", kind="connection.hello",
+                         data={"id": str(connection_id), "version": fields["daemon_version"]})
+            connection = Connection.objects.get(pk=connection_id)
+    if connection.auto_resume_crashed:
+        sessions_auto_resume_crashed(connection=connection)
+    return connection
+
+
+def sessions_auto_resume_crashed(*, connection: Connection) -> list[str]:
+    """On reconnect, resume (once) each session whose latest turn crashed, if the connection says so.
+
+    User interrupts never resume by themselves (SPEC §4.3); a crashed resume is not resumed again.
+    """
+    from .actions import session_resume
+
+    resumed = []
+    for session in Session.objects.filter(connection=connection, status=states.SESSION_ACTIVE):
+        last = session.turns.order_by("-seq").first()
+        if (last is None or last.status != states.INTERRUPTED or last.interrupted_reason != states.REASON_CRASH
+                or last.trigger == "resume"):
+            continue
+        try:
+            answer = session_resume(actor=None, session_id=session.pk, client="system",
+                                    reason="automatic resume of a crashed turn after the daemon reconnected")
+        except ApplicationError:
+            continue
+        resumed.append(answer["turn"])
+    return resumed
 
 
 def connection_heartbeat(*, connection_id) -> None:

@@ -36,7 +36,7 @@ def connection_key_hash(key: str) -> str:
 
 def connection_register(
     *, name: str, backend: str, cwds: list[str], host: str = "", max_concurrency: int = 4,
-    sigint_timeout_s: int = 10, actor=None,
+    sigint_timeout_s: int = 10, auto_resume_crashed: bool = False, actor=None,
 ) -> tuple[Connection, str]:
     """Register a daemon's connection; the key is returned once and stored hashed."""
     if backend not in states.BACKENDS:
@@ -49,6 +49,7 @@ def connection_register(
         connection = Connection.objects.create(
             name=name, backend=backend, cwds=cwds, host=host, max_concurrency=max_concurrency,
             sigint_timeout_s=sigint_timeout_s, key_prefix=prefix, key_hash=connection_key_hash(key),
+            auto_resume_crashed=auto_resume_crashed,
         )
         event_append(stream=f"connection:{connection.id}", kind="connection.registered",
                      data={"id": str(connection.id), "name": name, "backend": backend}, actor=actor_name(actor))

@@ -278,3 +278,21 @@ def test_same_idea_from_another_directory_moves_the_session(operator, connection
     session = Session.objects.get(pk=first["session"])
     assert session.cwd == "/srv/work/other"
     assert factories.events_of(session.stream, kind="session.moved")
+
+
+def test_crashed_turns_resume_once_on_reconnect_when_configured(operator, connection):
+    Connection.objects.filter(pk=connection.pk).update(auto_resume_crashed=True)
+    crashed = Turn.objects.get(pk=start(operator, connection, idea_key="idea:crash")["turn"])
+    report(Client(), connection, crashed, status="running")
+    report(Client(), connection, crashed, status="interrupted", reason="crash",
+           wake_error={"kind": "signal", "signal": "SIGKILL"})
+    stopped = Turn.objects.get(pk=start(operator, connection, idea_key="idea:user", acknowledge_changes=True)["turn"])
+    report(Client(), connection, stopped, status="running")
+    report(Client(), connection, stopped, status="interrupted", reason="user")
+    Connection.objects.filter(pk=connection.pk).update(status="offline")
+    bridge.connection_daemon_connected(connection_id=connection.pk, hello={"version": "t"})
+    resumed = Turn.objects.filter(session=crashed.session, trigger="resume")
+    assert resumed.count() == 1 and "re-check" in resumed.get().prompt
+    assert not Turn.objects.filter(session=stopped.session, trigger="resume").exists()  # user stops never
+    bridge.connection_daemon_connected(connection_id=connection.pk, hello={"version": "t"})
+    assert Turn.objects.filter(session=crashed.session, trigger="resume").count() == 1  # once
