@@ -144,6 +144,11 @@ def paginate(qs: QuerySet, *, limit: int, cursor: str | None, field: str = "id",
     return {"items": [serialize(r) for r in rows] if serialize else rows, "next_cursor": next_cursor}
 
 
+def query_params(request, *names) -> dict:
+    """The named query parameters that were given (empty ones count as absent)."""
+    return {n: request.GET.get(n) for n in names if request.GET.get(n) not in (None, "")}
+
+
 def filter_or_400(filterset_class, params, queryset):
     filterset = filterset_class(params, queryset=queryset)
     if not filterset.is_valid():

@@ -7,7 +7,7 @@ from uuid import UUID
 from django.http import HttpResponse
 from ninja import Router
 
-from chorus_site.api import ErrorBody, filter_or_400, paginate, require_ops
+from chorus_site.api import ErrorBody, filter_or_400, paginate, query_params, require_ops
 from chorus_site.audit import audit_record
 from chorus_site.permissions import can_view_diagnostics
 from chorus_site.redaction import redact
@@ -24,15 +24,11 @@ router = Router(tags=["executions"])
 ERRORS = {400: ErrorBody, 401: ErrorBody, 403: ErrorBody, 404: ErrorBody, 409: ErrorBody}
 
 
-def _params(request, *names):
-    return {n: request.GET.get(n) for n in names if request.GET.get(n) not in (None, "")}
-
-
 @router.get("/issues", response={200: IssuePage, **ERRORS}, summary="List issues")
 def issues_list(request, status: str = None, completion_policy: str = None, q: str = None, limit: int = 50,
                 cursor: str = None):
     require_ops(request)
-    qs = filter_or_400(IssueFilter, _params(request, "status", "completion_policy", "q"), sel.issues_qs())
+    qs = filter_or_400(IssueFilter, query_params(request, "status", "completion_policy", "q"), sel.issues_qs())
     return paginate(qs, limit=limit, cursor=cursor, serialize=sel.issue_out)
 
 
@@ -64,7 +60,7 @@ def workflows_list(request, limit: int = 50, cursor: str = None):
 def runs_list(request, state: str = None, mode: str = None, issue: UUID = None, created_after: str = None,
               created_before: str = None, q: str = None, limit: int = 50, cursor: str = None):
     require_ops(request)
-    qs = filter_or_400(RunFilter, _params(request, "state", "mode", "issue", "created_after", "created_before", "q"),
+    qs = filter_or_400(RunFilter, query_params(request, "state", "mode", "issue", "created_after", "created_before", "q"),
                        sel.runs_qs())
     return paginate(qs, limit=limit, cursor=cursor, serialize=sel.run_out)
 
@@ -86,7 +82,7 @@ def task_detail(request, task_id: UUID):
 def attempts_list(request, task: UUID = None, state: str = None, connection: UUID = None, limit: int = 50,
                   cursor: str = None):
     require_ops(request)
-    qs = filter_or_400(AttemptFilter, _params(request, "task", "state", "connection"), sel.attempts_qs())
+    qs = filter_or_400(AttemptFilter, query_params(request, "task", "state", "connection"), sel.attempts_qs())
     return paginate(qs, limit=limit, cursor=cursor, serialize=sel.attempt_out)
 
 
@@ -100,7 +96,7 @@ def attempt_detail(request, attempt_id: UUID):
 def artifacts_list(request, issue: UUID = None, run: UUID = None, attempt: UUID = None, kind: str = None,
                    limit: int = 50, cursor: str = None):
     require_ops(request)
-    qs = filter_or_400(ArtifactFilter, _params(request, "issue", "run", "attempt", "kind"), sel.artifacts_qs())
+    qs = filter_or_400(ArtifactFilter, query_params(request, "issue", "run", "attempt", "kind"), sel.artifacts_qs())
     return paginate(qs, limit=limit, cursor=cursor, serialize=sel.artifact_out)
 
 

@@ -26,6 +26,15 @@ def _require(request, perm):
         raise PermissionDenied
 
 
+def _object(admin, request, object_id, perm):
+    """The object of an action page, for a user holding ``perm`` (else 403, as the admin does)."""
+    _require(request, perm)
+    obj = admin.get_object(request, object_id)
+    if obj is None:
+        raise PermissionDenied
+    return obj
+
+
 def _page(admin, request, obj, *, title, action_label, touched, fields=(), extra=None, danger=False, values=None):
     """``fields``: (name, label, kind); ``values`` refill the form after a refusal, so nothing typed is lost."""
     values = values or {}
@@ -60,10 +69,7 @@ def _session_url(session):
 
 # ---------------------------------------------------------------- turn actions
 def turn_interrupt_view(admin, request, object_id):
-    _require(request, "sessions_app.interrupt_turn")
-    turn = admin.get_object(request, object_id)
-    if turn is None:
-        raise PermissionDenied
+    turn = _object(admin, request, object_id, "sessions_app.interrupt_turn")
     if request.method == "POST":
         try:
             answer = actions.turn_interrupt(actor=request.user, turn_id=turn.pk, client="admin",
@@ -83,10 +89,7 @@ def turn_interrupt_view(admin, request, object_id):
 
 
 def turn_mark_interrupted_view(admin, request, object_id):
-    _require(request, "sessions_app.mark_interrupted_turn")
-    turn = admin.get_object(request, object_id)
-    if turn is None:
-        raise PermissionDenied
+    turn = _object(admin, request, object_id, "sessions_app.mark_interrupted_turn")
     if request.method == "POST":
         reason = request.POST.get("reason") or None
         try:
@@ -113,10 +116,7 @@ def turn_mark_interrupted_view(admin, request, object_id):
 
 # ---------------------------------------------------------------- session actions
 def session_resume_view(admin, request, object_id):
-    _require(request, "sessions_app.resume_session")
-    session = admin.get_object(request, object_id)
-    if session is None:
-        raise PermissionDenied
+    session = _object(admin, request, object_id, "sessions_app.resume_session")
     if request.method == "POST":
         try:
             answer = actions.session_resume(actor=request.user, session_id=session.pk, client="admin",
@@ -135,10 +135,7 @@ def session_resume_view(admin, request, object_id):
 
 
 def session_handoff_view(admin, request, object_id):
-    _require(request, "sessions_app.handoff_session")
-    session = admin.get_object(request, object_id)
-    if session is None:
-        raise PermissionDenied
+    session = _object(admin, request, object_id, "sessions_app.handoff_session")
     if request.method == "POST":
         try:
             answer = actions.session_handoff(
@@ -160,9 +157,8 @@ def session_handoff_view(admin, request, object_id):
 
 
 def session_message_view(admin, request, object_id):
-    _require(request, "sessions_app.message_session")
-    session = admin.get_object(request, object_id)
-    if session is None or request.method != "POST":
+    session = _object(admin, request, object_id, "sessions_app.message_session")
+    if request.method != "POST":
         raise PermissionDenied
     try:
         answer = actions.session_message(actor=request.user, session_id=session.pk, client="admin",
@@ -174,10 +170,7 @@ def session_message_view(admin, request, object_id):
 
 
 def connection_start_view(admin, request, object_id):
-    _require(request, "sessions_app.start_session")
-    connection = admin.get_object(request, object_id)
-    if connection is None:
-        raise PermissionDenied
+    connection = _object(admin, request, object_id, "sessions_app.start_session")
     values = {"cwd": connection.cwds[0] if connection.cwds else ""}
     if request.method == "POST":
         values = request.POST

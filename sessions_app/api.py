@@ -6,7 +6,7 @@ from uuid import UUID
 
 from ninja import Query, Router
 
-from chorus_site.api import ErrorBody, filter_or_400, paginate, require_ops
+from chorus_site.api import ErrorBody, filter_or_400, paginate, query_params, require_ops
 from chorus_site.audit import audit_record
 from chorus_site.errors import ApplicationError
 
@@ -21,15 +21,11 @@ router = Router(tags=["sessions"])
 ERRORS = {400: ErrorBody, 401: ErrorBody, 403: ErrorBody, 404: ErrorBody, 409: ErrorBody, 410: ErrorBody}
 
 
-def _params(request, *names):
-    return {n: request.GET.get(n) for n in names if request.GET.get(n) not in (None, "")}
-
-
 @router.get("/connections", response={200: ConnectionPage, **ERRORS}, summary="List connections")
 def connections_list(request, status: str = None, backend: str = None, host: str = None, limit: int = 50,
                      cursor: str = None):
     require_ops(request)
-    qs = filter_or_400(ConnectionFilter, _params(request, "status", "backend", "host"), sel.connections_qs())
+    qs = filter_or_400(ConnectionFilter, query_params(request, "status", "backend", "host"), sel.connections_qs())
     return paginate(qs, limit=limit, cursor=cursor, serialize=sel.connection_out)
 
 
@@ -43,7 +39,7 @@ def connection_detail(request, connection_id: UUID):
 def sessions_list(request, status: str = None, backend: str = None, connection: UUID = None, cwd: str = None,
                   idea_key: str = None, q: str = None, limit: int = 50, cursor: str = None):
     require_ops(request)
-    qs = filter_or_400(SessionFilter, _params(request, "status", "backend", "connection", "cwd", "idea_key", "q"),
+    qs = filter_or_400(SessionFilter, query_params(request, "status", "backend", "connection", "cwd", "idea_key", "q"),
                        sel.sessions_qs())
     return paginate(qs, limit=limit, cursor=cursor, serialize=sel.session_out)
 
@@ -59,7 +55,7 @@ def session_turns(request, session_id: UUID, status: str = None, interrupted_rea
                   limit: int = 50, cursor: str = None):
     require_ops(request)
     session = sel.get_or_404(sel.sessions_qs(), session_id)
-    qs = filter_or_400(TurnFilter, _params(request, "status", "interrupted_reason", "trigger"),
+    qs = filter_or_400(TurnFilter, query_params(request, "status", "interrupted_reason", "trigger"),
                        sel.turns_qs().filter(session=session))
     return paginate(qs, limit=limit, cursor=cursor, serialize=sel.turn_out)
 
