@@ -146,7 +146,9 @@ class Daemon:
             await self._stop_everything()
         finally:
             link.cancel()
-            await asyncio.gather(link, return_exceptions=True)
+            for task in list(self._background):
+                task.cancel()
+            await asyncio.gather(link, *self._background, return_exceptions=True)
             await self.sender.close()
             await self.sampler.close()
             self.spool.close()

@@ -17,6 +17,7 @@ Reports go through a ``Reporter`` (the daemon's spool); this module knows nothin
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import signal
@@ -37,6 +38,8 @@ REQUIRES_ACTION_GRACE_S = 1.0   # an agent that exits right after asking reports
 STDOUT_DRAIN_S = 2.0            # after exit, how long leftovers may keep our stdout pipe open
 FINISH_EVENTS_KEEP = 5000       # events kept for the backend's ``finish`` (final reply derivation)
 SUMMARY_MAX = 300
+EVENT_STRING_MAX = 32 * 1024    # characters per string in one event (a huge tool result is cut)
+BATCH_BYTES_MAX = 512 * 1024    # a batch is sent before it grows past this (the portal caps request bodies)
 USAGE_KEYS = ("input", "output", "cache_read", "cache_write")
 
 
@@ -154,6 +157,7 @@ class TurnRunner:
         self.stop_task: asyncio.Task | None = None
         self.stop_result: StopResult | None = None
         self._events: list[dict] = []
+        self._batch_bytes = 0
         self._recent: deque[p.AgentEvent] = deque(maxlen=FINISH_EVENTS_KEEP)
         self._requires_action_reported = False
         self._tasks: list[asyncio.Task] = []
@@ -181,14 +185,22 @@ class TurnRunner:
 
     def flush_events(self) -> None:
         if self._events:
-            batch, self._events = self._events, []
+            batch, self._events, self._batch_bytes = self._events, [], 0
             self.reporter.events(self.turn, batch)
 
     def _add_events(self, events: list[p.AgentEvent]) -> None:
         for event in events:
             self.summary.add(event)
             self._recent.append(event)
-            self._events.append(event.as_dict())
+            item = event.as_dict()
+            size = len(json.dumps(item, default=str))
+            if size > EVENT_STRING_MAX:
+                item = _shrink(item)
+                size = len(json.dumps(item, default=str))
+            if self._events and self._batch_bytes + size > BATCH_BYTES_MAX:
+                self.flush_events()
+            self._events.append(item)
+            self._batch_bytes += size
             if event.kind == p.EV_REQUIRES_ACTION:
                 self._tasks.append(asyncio.get_running_loop().create_task(self._requires_action_later()))
         if len(self._events) >= EVENT_BATCH_MAX:
@@ -409,6 +421,19 @@ def load_backend(name: str, environ: dict[str, str] | None = None):
     from agents.backends import get_backend  # only when a turn starts: the process layer needs none
 
     return get_backend(name, environ)
+
+
+def _shrink(value: Any) -> Any:
+    """The event with every long string cut to EVENT_STRING_MAX characters (and said so)."""
+    if isinstance(value, str):
+        if len(value) <= EVENT_STRING_MAX:
+            return value
+        return value[:EVENT_STRING_MAX] + f"… [cut by the daemon: {len(value)} characters]"
+    if isinstance(value, dict):
+        return {k: _shrink(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_shrink(v) for v in value[:1000]]
+    return value
 
 
 def _signal_name(number: int) -> str:

@@ -166,7 +166,10 @@ async def test_probe_and_interrupt(portal, make_daemon, workdir):
     daemon, _ = await make_daemon()
     await portal.command(p.START_TURN, "turn-p", start_payload(workdir, "@ignore-stop\n@grandchild 60\n@sleep 60"))
     await wait_until(lambda: daemon.holds("turn-p"))
-    pid = daemon.runners["turn-p"].agent.pid
+    runner = daemon.runners["turn-p"]
+    pid = runner.agent.pid
+    # the agent is deaf to SIGINT only once it has said so (and started its grandchild)
+    await wait_until(lambda: any("grandchild_pid" in e.data for e in runner._recent))
     await portal.command(p.PROBE, "turn-p", command_id="probe-1")
     await portal.command(p.PROBE, "turn-unknown", command_id="probe-2")
     await wait_until(lambda: len(portal.of_type(p.RESULT)) == 2)

@@ -219,3 +219,35 @@ async def test_interrupt_after_exit_is_ignored(workdir, environ):
     runner, reports = await run_turn(workdir, environ, "@reply quick")
     assert runner.interrupt(reason="user") is False
     assert reports.final["status"] == "ended"
+
+
+class Chatty(Backend):
+    """Prints one huge line and many small ones (a CLI echoing a large tool result)."""
+
+    name = "chatty"
+
+    def command(self, *, prompt, cwd, backend_session_id, env):
+        code = ("import json; print(json.dumps({'type': 'text', 'text': 'x' * 3_000_000})); "
+                "[print(json.dumps({'type': 'progress', 'message': 'm' * 20000})) for _ in range(60)]; "
+                "print(json.dumps({'type': 'final', 'text': 'ok'}))")
+        import sys
+
+        return LaunchSpec(argv=[sys.executable, "-c", code], env=dict(env))
+
+    def parse_event(self, obj):
+        from agents.protocol import AgentEvent
+
+        return [AgentEvent(obj.pop("type"), obj)]
+
+
+async def test_huge_output_is_cut_and_batched_small(workdir, environ):
+    import json
+
+    from agents.runner import BATCH_BYTES_MAX, EVENT_STRING_MAX
+
+    _, reports = await run_turn(workdir, environ, "hi", backend=Chatty())
+    batches = [r["events"] for kind, r in reports.items if kind == "events"]
+    assert all(len(json.dumps(batch)) <= BATCH_BYTES_MAX + EVENT_STRING_MAX for batch in batches)
+    first = reports.events_flat[0]
+    assert first["kind"] == "text" and "cut by the daemon: 3000000 characters" in first["data"]["text"]
+    assert len(reports.events_flat) == 62 and reports.final["final_reply"] == "ok"
