@@ -141,9 +141,7 @@ class Daemon:
         link = loop.create_task(self._connection_loop(), name="portal-link")
         try:
             await self._shutdown.wait()
-            if recovery is not None:
-                await asyncio.gather(recovery, return_exceptions=True)
-            await self._stop_everything()
+            await self._stop_everything(also_wait_for=[recovery] if recovery is not None else [])
         finally:
             link.cancel()
             for task in list(self._background):
@@ -183,7 +181,7 @@ class Daemon:
             for runner in list(self.runners.values()):
                 runner.escalate_now()
 
-    async def _stop_everything(self) -> None:
+    async def _stop_everything(self, also_wait_for: list[asyncio.Task] = ()) -> None:
         self.stopping = True
         while self.queue:
             runner = self.queue.popleft()
@@ -193,8 +191,7 @@ class Daemon:
             runner.interrupt(reason="shutdown", timeout_s=self.config.sigint_timeout_s)
             if self.shutdown_signals > 1:
                 runner.escalate_now()
-        if self.tasks:
-            await asyncio.gather(*self.tasks.values(), return_exceptions=True)
+        await asyncio.gather(*self.tasks.values(), *also_wait_for, return_exceptions=True)
         await self._send_snapshot()
         if not await self.sender.drain(SHUTDOWN_FLUSH_S):
             log.warning("the portal did not take every report within %g s", SHUTDOWN_FLUSH_S)
@@ -461,6 +458,9 @@ def main(config: DaemonConfig) -> int:
         return asyncio.run(Daemon(config).run())
     except SpoolLocked as exc:
         log.error("%s", exc)
+        return 2
+    except OSError as exc:  # e.g. the spool directory cannot be created
+        log.error("cannot start: %s", exc)
         return 2
 
 
