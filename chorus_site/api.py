@@ -7,12 +7,13 @@ import binascii
 
 from django.db.models import QuerySet
 from django.http import Http404
-from ninja import NinjaAPI, Schema
+from ninja import NinjaAPI, Schema, Status
 from ninja.errors import AuthenticationError, HttpError, ValidationError
 from ninja.security import APIKeyCookie, HttpBearer
 from django.conf import settings
 
 from .errors import ApplicationError
+from .idempotency import idempotent_call
 from .permissions import has_ops_role
 from .tokens import token_authenticate
 
@@ -103,6 +104,15 @@ def require_perm(request, perm: str):
     if not user.has_perm(perm):
         raise ApplicationError("forbidden", "your role does not allow this action", {"permission": perm})
     return user
+
+
+def act(request, *, perm: str, route: str, body: dict, action, status: int = 200):
+    """Permission, idempotency (Idempotency-Key header) and the answer of one acting route."""
+    user = require_perm(request, perm)
+    key = request.headers.get("Idempotency-Key")
+    code, answer, _ = idempotent_call(user=user, route=route, key=key, body=body,
+                                      action=lambda: (status, action(user, key)))
+    return Status(code, answer)
 
 
 # ---------------------------------------------------------------- cursor pagination

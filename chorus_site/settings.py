@@ -243,6 +243,7 @@ CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 CELERY_BEAT_SCHEDULE = {
     "purge-expired-events": {"task": "chorus_site.tasks.events_purge_expired", "schedule": 3600.0},
     "sweep-stale-connections": {"task": "sessions_app.tasks.connections_sweep", "schedule": 5.0},
+    "tick-waiting-runs": {"task": "executions.tasks.runs_tick_waiting", "schedule": 5.0},
 }
 
 # ---------------------------------------------------------------- chorus

@@ -5,14 +5,16 @@ from __future__ import annotations
 from uuid import UUID
 
 from django.http import HttpResponse
-from ninja import Router
+from ninja import Router, Schema
 
-from chorus_site.api import ErrorBody, filter_or_400, paginate, query_params, require_ops
+from chorus_site.api import ErrorBody, act, filter_or_400, paginate, query_params, require_ops
 from chorus_site.audit import audit_record
+from chorus_site.errors import ApplicationError
 from chorus_site.permissions import can_view_diagnostics
 from chorus_site.redaction import redact
 from sessions_app.selectors import get_or_404
 
+from . import actions, engine, services, workflows
 from . import selectors as sel
 from .filters import ArtifactFilter, AttemptFilter, IssueFilter, RunFilter
 from .schemas import (
@@ -120,3 +122,125 @@ def artifact_content(request, artifact_id: UUID):
     response["Content-Disposition"] = f'inline; filename="{artifact.name.replace(chr(34), "")}"'
     response["X-Content-Type-Options"] = "nosniff"
     return response
+
+
+# ---------------------------------------------------------------- acting routes
+class IssueIn(Schema):
+    title: str
+    body: str = ""
+    acceptance_criteria: str = ""
+    completion_policy: str = "review"
+
+
+class RunIn(Schema):
+    issue: UUID
+    mode: str
+    workflow_revision: UUID | None = None
+    input: dict = {}
+    target: dict | None = None
+    policy: dict | None = None
+
+
+class RunActionIn(Schema):
+    expected_version: int | None = None
+    reason: str | None = None
+
+
+class RerunIn(Schema):
+    input: dict | None = None
+    reason: str | None = None
+
+
+class WorkflowIn(Schema):
+    name: str
+    description: str = ""
+    spec: dict
+
+
+class RevisionIn(Schema):
+    spec: dict
+
+
+@router.post("/issues", response={201: dict, **ERRORS}, summary="Create an issue")
+def issue_create(request, body: IssueIn):
+    def create(user, key):
+        issue = services.issue_create(title=body.title, body=body.body, acceptance_criteria=body.acceptance_criteria,
+                                      completion_policy=body.completion_policy, actor=user)
+        audit_record(actor=user, action="issue.create", target=f"issue:{issue.pk}", outcome="created",
+                     client="api", idempotency_key=key)
+        return sel.issue_out(issue) | {"id": str(issue.pk)}
+
+    if not body.title.strip():
+        raise ApplicationError("bad_request", "title must not be empty")
+    return act(request, perm="executions.add_issue", route="issues.create", body=body.dict(), status=201,
+               action=lambda user, key: _jsonable(create(user, key)))
+
+
+@router.post("/runs", response={201: dict, **ERRORS}, summary="Start a run")
+def run_start(request, body: RunIn):
+    def start(user, key):
+        run = engine.run_start(issue_id=body.issue, mode=body.mode, input=body.input,
+                               workflow_revision_id=body.workflow_revision, target=body.target, policy=body.policy,
+                               actor=user, idempotency_key=key)
+        return {"run": str(run.pk), "state": run.state, "version": run.version}
+
+    return act(request, perm="executions.start_run", route="runs.start", body=_jsonable(body.dict()), status=201,
+               action=start)
+
+
+def _run_action(request, run_id, name, body, fn):
+    return act(request, perm=f"executions.{name}_run", route=f"runs.{name}:{run_id}", body=_jsonable(body.dict()),
+               action=lambda user, key: fn(actor=user, run_id=run_id, idempotency_key=key,
+                                           **{k: v for k, v in body.dict().items() if v is not None}))
+
+
+@router.post("/runs/{run_id}/pause", response={200: dict, **ERRORS}, summary="Pause: no new dispatch (§4.7)")
+def run_pause(request, run_id: UUID, body: RunActionIn):
+    return _run_action(request, run_id, "pause", body, actions.run_pause)
+
+
+@router.post("/runs/{run_id}/resume", response={200: dict, **ERRORS}, summary="Resume a paused run")
+def run_resume(request, run_id: UUID, body: RunActionIn):
+    return _run_action(request, run_id, "resume", body, actions.run_resume)
+
+
+@router.post("/runs/{run_id}/cancel", response={200: dict, **ERRORS}, summary="Cancel: interrupt every attempt")
+def run_cancel(request, run_id: UUID, body: RunActionIn):
+    return _run_action(request, run_id, "cancel", body, actions.run_cancel)
+
+
+@router.post("/runs/{run_id}/rerun", response={200: dict, **ERRORS}, summary="Rerun a finished run")
+def run_rerun(request, run_id: UUID, body: RerunIn):
+    return _run_action(request, run_id, "rerun", body, actions.run_rerun)
+
+
+@router.post("/workflows", response={201: dict, **ERRORS}, summary="Create a workflow with its first revision")
+def workflow_create(request, body: WorkflowIn):
+    def create(user, key):
+        revision = workflows.workflow_create(name=body.name, description=body.description, spec=body.spec,
+                                             actor=user)
+        audit_record(actor=user, action="workflow.create", target=f"workflow:{revision.workflow_id}",
+                     outcome="created", client="api", idempotency_key=key)
+        return {"workflow": str(revision.workflow_id), "revision": str(revision.pk), "number": revision.number}
+
+    return act(request, perm="executions.add_workflowdefinition", route="workflows.create", body=body.dict(),
+               status=201, action=create)
+
+
+@router.post("/workflows/{workflow_id}/revisions", response={201: dict, **ERRORS},
+             summary="Add an immutable revision")
+def workflow_revise(request, workflow_id: UUID, body: RevisionIn):
+    def revise(user, key):
+        revision = workflows.workflow_revise(workflow_id=workflow_id, spec=body.spec, actor=user)
+        audit_record(actor=user, action="workflow.revise", target=f"workflow:{workflow_id}",
+                     outcome=f"revision {revision.number}", client="api", idempotency_key=key)
+        return {"workflow": str(workflow_id), "revision": str(revision.pk), "number": revision.number}
+
+    return act(request, perm="executions.add_workflowrevision", route=f"workflows.revise:{workflow_id}",
+               body=body.dict(), status=201, action=revise)
+
+
+def _jsonable(value):
+    import json
+
+    return json.loads(json.dumps(value, default=str))

@@ -5,3 +5,11 @@ class ExecutionsConfig(AppConfig):
     name = "executions"
     verbose_name = "Executions"
     default_auto_field = "django.db.models.BigAutoField"
+
+    def ready(self):
+        # The engine hears about the turns that execute attempts (sessions_app never imports us).
+        from sessions_app.listeners import on_turn_status
+
+        from .engine import on_turn_status as engine_on_turn_status
+
+        on_turn_status(engine_on_turn_status)

@@ -91,8 +91,15 @@ def session_dispatch(*, session_id) -> Turn | None:
         return first
 
 
-def _queue_turn(session: Session, *, trigger: str, prompt: str, actor) -> dict:
-    turn = services.turn_create(session=session, trigger=trigger, prompt=prompt, actor=actor)
+def turn_enqueue(*, session_id, trigger: str, prompt: str, actor=None, attempt_id=None) -> dict:
+    """A new turn for a session, sent at once or queued behind its running turn (used by the engine)."""
+    session = _get(Session, session_id)
+    with transaction.atomic():
+        return _queue_turn(session, trigger=trigger, prompt=prompt, actor=actor, attempt_id=attempt_id)
+
+
+def _queue_turn(session: Session, *, trigger: str, prompt: str, actor, attempt_id=None) -> dict:
+    turn = services.turn_create(session=session, trigger=trigger, prompt=prompt, actor=actor, attempt_id=attempt_id)
     busy = Turn.objects.filter(session=session, status__in=[states.RUNNING, states.REQUIRES_ACTION]).exists()
     if busy:
         event_append(stream=session.stream, kind="turn.waiting", actor=actor_name(actor),

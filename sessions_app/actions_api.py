@@ -5,27 +5,17 @@ from __future__ import annotations
 from uuid import UUID
 
 from django.db import transaction
-from ninja import Schema, Status
+from ninja import Schema
 
-from chorus_site.api import ErrorBody, require_perm
+from chorus_site.api import ErrorBody, act, require_perm
 from chorus_site.audit import audit_record
 from chorus_site.errors import ApplicationError
-from chorus_site.idempotency import idempotent_call
 
 from . import actions, services, states
 from .api import router  # one router per app: ninja serves one path from one router only
 from .models import Connection, Turn
 
 ERRORS = {400: ErrorBody, 401: ErrorBody, 403: ErrorBody, 404: ErrorBody, 409: ErrorBody, 422: ErrorBody}
-
-
-def act(request, *, perm: str, route: str, body: dict, action, status: int = 200):
-    """Permission, idempotency and the answer of one operator action."""
-    user = require_perm(request, perm)
-    key = request.headers.get("Idempotency-Key")
-    code, answer, _ = idempotent_call(user=user, route=route, key=key, body=body,
-                                      action=lambda: (status, action(user, key)))
-    return Status(code, answer)
 
 
 class StartIn(Schema):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from uuid import UUID
 
-from ninja import Query, Router
+from ninja import Router
 
 from chorus_site.api import ErrorBody, filter_or_400, paginate, query_params, require_ops
 from chorus_site.audit import audit_record

@@ -18,6 +18,7 @@ from chorus_site.redaction import redact
 from chorus_site.transitions import transition
 
 from . import states
+from .listeners import turn_status_changed
 from .models import Connection, ControlCommand, Session, TranscriptMessage, Turn
 
 WAKE_ERROR_DETAILS_MAX = 64 * 1024
@@ -236,6 +237,7 @@ def turn_set_status(
             data=event_data,
         )
         Session.objects.filter(pk=session_id).update(last_turn_at=now)
+        turn_status_changed(turn_id=turn.pk, attempt_id=turn.attempt_id, status=status)
     return turn
 
 

@@ -4,87 +4,19 @@ scripted agent, a real Celery worker with beat.  Nothing is simulated."""
 from __future__ import annotations
 
 import json
-import os
-import signal
 import time
-import urllib.error
-import urllib.request
 
 import pytest
 
 from chorus_site.models import Event
 from chorus_site.tokens import token_create
-from sessions_app import services
 from sessions_app.models import Connection, Session, Turn
-from tests.e2e.conftest import Daemon, start_portal, stop_process, wait_until
+from tests.e2e.conftest import Api, alive, kill_group, start_portal, stop_process, wait_online, wait_until
 
 pytestmark = [pytest.mark.django_db(transaction=True)]
 
 CANARY = "sk-ant-api03-E2Ecanary0000000000SECRET11111"
-SIGINT_TIMEOUT_S = 2
-
-
-class Api:
-    def __init__(self, base: str, token: str):
-        self.base, self.token = base, token
-
-    def call(self, method: str, path: str, body: dict | None = None) -> tuple[int, dict]:
-        data = json.dumps(body or {}).encode() if method == "POST" else None
-        request = urllib.request.Request(self.base + "/api/v1" + path, data=data, method=method, headers={
-            "Authorization": f"Bearer {self.token}", "Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(request, timeout=30) as response:
-                return response.status, json.loads(response.read() or b"{}")
-        except urllib.error.HTTPError as error:
-            return error.code, json.loads(error.read() or b"{}")
-
-
-@pytest.fixture
-def workspace(tmp_path):
-    path = tmp_path / "workspace"
-    path.mkdir()
-    return path
-
-
-@pytest.fixture
-def bridge(portal_server, celery_beat_worker, operator, workspace, tmp_path):
-    connection, key = services.connection_register(name="e2e-daemon", backend="scripted", cwds=[str(workspace)],
-                                                   sigint_timeout_s=SIGINT_TIMEOUT_S)
-    daemon = Daemon(portal_server, key, str(workspace), tmp_path, sigint_timeout_s=SIGINT_TIMEOUT_S).start()
-    _token, raw = token_create(user=operator, name="e2e")
-    api = Api(portal_server, raw)
-    wait_online(connection)
-    yield {"connection": connection, "daemon": daemon, "api": api, "workspace": workspace, "key": key,
-           "portal": portal_server}
-    daemon.stop()
-    for turn in Turn.objects.exclude(pid=None):
-        kill_group(turn.pid)
-
-
-def wait_online(connection, timeout=30):
-    wait_until(lambda: Connection.objects.filter(pk=connection.pk, status="online",
-                                                 last_heartbeat_at__isnull=False).exists(),
-               timeout=timeout, message="the daemon to come online")
-
-
-def kill_group(pid):
-    try:
-        os.killpg(pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError, OSError):
-        pass
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:  # a zombie is gone for our purpose
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().split(")")[-1].split()[0] != "Z"
-    except OSError:
-        return False
-    return True
+SIGINT_TIMEOUT_S = 2  # as the bridge fixture configures the connection
 
 
 def start(bridge, prompt: str, **extra) -> Turn:

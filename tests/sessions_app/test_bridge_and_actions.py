@@ -11,7 +11,7 @@ from django.test import Client
 from django.utils import timezone
 
 from chorus_site.models import AuditEntry
-from sessions_app import actions, bridge, services
+from sessions_app import actions, bridge
 from sessions_app.models import Connection, ControlCommand, Session, Turn
 from tests import factories
 

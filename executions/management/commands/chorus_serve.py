@@ -81,6 +81,7 @@ class Command(BaseCommand):
         from django.db import close_old_connections
 
         from chorus_site.tasks import events_purge_expired
+        from executions.tasks import runs_tick_waiting
         from sessions_app.tasks import connections_sweep
 
         last_purge = 0.0
@@ -88,6 +89,7 @@ class Command(BaseCommand):
             close_old_connections()
             try:
                 connections_sweep.apply()
+                runs_tick_waiting.apply()
                 if time.monotonic() - last_purge > PURGE_EVERY_S:
                     events_purge_expired.apply()
                     last_purge = time.monotonic()

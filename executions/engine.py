@@ -1,0 +1,398 @@
+"""The run engine (SPEC §6): dispatch ready nodes → tasks → attempts → turns; converge as turns end.
+
+Driven by ``run_tick`` (a Celery task): it is idempotent and takes the run's row lock, so running it
+twice, or on two workers, or again after a worker died mid-way, changes nothing more than once.
+Turns tell the engine about themselves through sessions_app.listeners.
+
+Implemented modes: ``direct`` and ``declared`` (agent nodes; approval, signal, timer and subrun
+nodes wait).  Repetition: infrastructure failures make a new attempt (``infra_retries``), agent
+failures a new task when the node's retry policy allows (``retry_of``).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+
+from django.db import transaction
+from django.utils import timezone
+
+from chorus_site.audit import actor_name, audit_record
+from chorus_site.errors import ApplicationError
+from chorus_site.events import event_append
+from sessions_app import actions as session_actions
+from sessions_app import selectors as session_selectors
+from sessions_app import services as session_services
+from sessions_app.models import Connection, Session, Turn
+
+from . import services, states
+from .models import AgentTask, Attempt, Issue, Run, RunNode, WorkflowRevision
+
+log = logging.getLogger(__name__)
+
+DEFAULT_POLICY = {"infra_retries": 2, "fresh_fallback": False, "fallback_backends": []}
+ACTIVE_TURN = {"pending", "running", "requires_action"}
+# Turn endings that say the machine failed, not the agent (§6.3).
+INFRA_REASONS = {"offline", "shutdown", "invalid_path"}
+INFRA_WAKE_KINDS = {"spawn_failed", "auth"}
+_TEMPLATE = re.compile(r"\{\{\s*(input|issue)\.([A-Za-z_][A-Za-z0-9_]*)\s*\}\}")
+
+
+# ---------------------------------------------------------------- start
+def run_start(*, issue_id, mode: str, input: dict | None = None, workflow_revision_id=None, target: dict | None = None,
+              policy: dict | None = None, actor=None, rerun_of=None, trigger: str = "manual",
+              client: str = "api", idempotency_key: str | None = None) -> Run:
+    if mode not in {"direct", "declared"}:
+        raise ApplicationError("bad_request", f"mode {mode!r} is not available yet (direct, declared)",
+                               {"allowed": ["direct", "declared"]})
+    issue = Issue.objects.filter(pk=issue_id).first()
+    if issue is None:
+        raise ApplicationError("bad_request", "unknown issue", {"issue": str(issue_id)})
+    if issue.status in states.ISSUE_TERMINAL:
+        raise ApplicationError("invalid_transition", f"the issue is {issue.status}; reopen it first")
+    input = dict(input or {})
+    revision = None
+    if mode == "declared":
+        revision = WorkflowRevision.objects.filter(pk=workflow_revision_id).first() if workflow_revision_id else None
+        if revision is None:
+            raise ApplicationError("bad_request", "a declared run needs an existing workflow_revision")
+    elif not str(input.get("prompt", "")).strip():
+        raise ApplicationError("bad_request", "a direct run needs input.prompt")
+    target = _validate_target(target or {})
+    policy = {**DEFAULT_POLICY, **(policy or {})}
+    if not isinstance(policy["infra_retries"], int) or not 0 <= policy["infra_retries"] <= 10:
+        raise ApplicationError("bad_request", "policy.infra_retries must be an integer from 0 to 10")
+    with transaction.atomic():
+        run = Run.objects.create(issue=issue, mode=mode, workflow_revision=revision, input=input, target=target,
+                                 policy=policy, rerun_of=rerun_of, trigger=trigger,
+                                 idempotency_key=idempotency_key or "",
+                                 created_by=actor if getattr(actor, "pk", None) else None)
+        specs = revision.spec["nodes"] if revision else [{"key": "main", "type": "agent", "depends_on": [],
+                                                          "prompt": input["prompt"], "retry": {"max_task_retries": 0}}]
+        for spec in specs:
+            RunNode.objects.create(run=run, key=spec["key"], type=spec.get("type", "agent"),
+                                   depends_on=spec.get("depends_on", []), config=spec)
+        event_append(stream=run.stream, kind="run.created", actor=actor_name(actor),
+                     data={"id": str(run.pk), "mode": mode, "issue": str(issue.pk),
+                           "rerun_of": str(rerun_of.pk) if rerun_of else None})
+        run = services.run_set_state(run_id=run.pk, state="running", actor=actor)
+        _issue_to_in_progress(issue, actor)
+        audit_record(actor=actor, action="run.start", target=f"run:{run.pk}", outcome="running", client=client,
+                     idempotency_key=idempotency_key)
+        schedule_tick(run.pk)
+    return run
+
+
+def _validate_target(target: dict) -> dict:
+    if not isinstance(target, dict):
+        raise ApplicationError("bad_request", "target must be an object {connection?, cwd?, backend?}")
+    if target.get("connection"):
+        connection = Connection.objects.filter(pk=target["connection"]).first() if _is_uuid(target["connection"]) \
+            else None
+        if connection is None:
+            raise ApplicationError("bad_request", "target.connection is not a known connection")
+        if target.get("cwd") and not session_services.cwd_allowed(connection, target["cwd"]):
+            raise ApplicationError("bad_request", "target.cwd is not inside the connection's directories")
+    return {k: str(v) for k, v in target.items() if k in {"connection", "cwd", "backend"} and v}
+
+
+def _is_uuid(value) -> bool:
+    import uuid
+
+    try:
+        uuid.UUID(str(value))
+    except ValueError:
+        return False
+    return True
+
+
+def _issue_to_in_progress(issue: Issue, actor) -> None:
+    path = {"backlog": ["todo", "in_progress"], "todo": ["in_progress"], "in_review": ["in_progress"]}
+    for status in path.get(issue.status, []):
+        services.issue_set_status(issue_id=issue.pk, status=status, actor=actor)
+
+
+def schedule_tick(run_id) -> None:
+    from .tasks import run_tick
+
+    run_tick.delay_on_commit(str(run_id))
+
+
+# ---------------------------------------------------------------- the tick
+def run_tick_apply(*, run_id) -> str:
+    """Advance one run as far as it can go now; returns its state."""
+    with transaction.atomic():
+        run = Run.objects.select_for_update().filter(pk=run_id).first()
+        if run is None or run.state in states.RUN_TERMINAL:
+            return run.state if run else "missing"
+        _converge_attempts(run)
+        nodes = list(RunNode.objects.filter(run=run).order_by("id"))
+        if run.state == "cancelling":
+            return _finish_cancel(run, nodes)
+        _promote_nodes(nodes)
+        if run.state != "paused":
+            # Running nodes too: a failed attempt (infra retry) or task (policy retry) needs a successor.
+            waits = [_dispatch_node(run, node) for node in nodes
+                     if node.state in {"ready", "running"} and node.type == "agent"]
+            _wait_on_other_nodes(nodes)
+            waits = [w for w in waits if w]
+        else:
+            waits = []
+        return _settle_run(run, waits)
+
+
+def _promote_nodes(nodes: list[RunNode]) -> None:
+    by_key = {n.key: n for n in nodes}
+    for node in nodes:
+        if node.state != "pending":
+            continue
+        deps = [by_key[d] for d in node.depends_on if d in by_key]
+        if any(d.state in {"failed", "cancelled", "skipped"} and not _tolerated(d) for d in deps):
+            node.state = services.node_set_state(node_id=node.pk, state="skipped").state
+        elif all(d.state in {"succeeded", "skipped"} or (d.state == "failed" and _tolerated(d)) for d in deps):
+            node.state = services.node_set_state(node_id=node.pk, state="ready").state
+
+
+def _tolerated(node: RunNode) -> bool:
+    return node.state == "failed" and bool(node.config.get("continue_on_failure"))
+
+
+def _wait_on_other_nodes(nodes: list[RunNode]) -> None:
+    """Approval, signal, timer and subrun nodes are not executed yet: they wait, visibly."""
+    reasons = {"approval": "approval", "signal": "signal", "timer": "timer", "subrun": "dependency"}
+    for node in nodes:
+        if node.state == "ready" and node.type in reasons:
+            services.node_set_state(node_id=node.pk, state="waiting", wait_reason=reasons[node.type],
+                                    wait_detail={"unblock": f"{node.type} nodes are not executed by this version"})
+            node.state = "waiting"
+
+
+# ---------------------------------------------------------------- dispatch
+def _dispatch_node(run: Run, node: RunNode) -> dict | None:
+    """Make sure a ready agent node has a task with an attempt on a turn; a wait reason if it cannot."""
+    task = node.tasks.exclude(status__in=states.TASK_TERMINAL).order_by("-ordinal").first()
+    if task is None:
+        task = AgentTask.objects.create(node=node, ordinal=(node.tasks.count() + 1),
+                                        retry_of=node.tasks.order_by("-ordinal").first())
+        event_append(stream=run.stream, kind="task.created",
+                     data={"id": str(task.pk), "node": str(node.pk), "ordinal": task.ordinal,
+                           "retry_of": str(task.retry_of_id) if task.retry_of_id else None})
+    attempt = task.attempts.exclude(state__in=states.ATTEMPT_TERMINAL).first()
+    if attempt is not None:
+        return None
+    connection, wait = _choose_connection(run, node, task)
+    if connection is None:
+        return wait
+    attempt = Attempt.objects.create(task=task, number=task.attempts.count() + 1, connection=connection,
+                                     backend=connection.backend)
+    event_append(stream=run.stream, kind="attempt.created",
+                 data={"id": str(attempt.pk), "task": str(task.pk), "number": attempt.number,
+                       "connection": str(connection.pk)})
+    session = _task_session(run, task, connection)
+    services.attempt_set_state(attempt_id=attempt.pk, state="assigned", session=session, cwd=session.cwd,
+                               provider_session_id=session.backend_session_id or "")
+    answer = session_actions.turn_enqueue(session_id=session.pk, trigger="task_assigned",
+                                          prompt=node_prompt(run, node), attempt_id=attempt.pk)
+    services.attempt_set_state(attempt_id=attempt.pk, state="preparing", turn_id=answer["turn"])
+    AgentTask.objects.filter(pk=task.pk).update(current_attempt=attempt, session=session)
+    if task.status == "queued":
+        services.task_set_status(task_id=task.pk, status="dispatched")
+    if node.state == "ready":
+        services.node_set_state(node_id=node.pk, state="running")
+    return None
+
+
+def _choose_connection(run: Run, node: RunNode, task: AgentTask):
+    """The run's target, else a live connection of the node's backend with capacity (§6.2)."""
+    bound = task.attempts.exclude(connection=None).order_by("-number").first()
+    wanted = run.target.get("connection") or (bound.connection_id if bound else None)
+    backend = node.config.get("backend") or run.target.get("backend")
+    candidates = Connection.objects.filter(pk=wanted) if wanted else Connection.objects.exclude(status="draining")
+    if backend and not wanted:
+        candidates = candidates.filter(backend=backend)
+    live = [c for c in candidates if session_selectors.connection_is_live(c)]
+    if not live:
+        if wanted:
+            return None, {"reason": "host_offline", "detail": {"connection": str(wanted),
+                                                                "unblock": "restore the connection's daemon"}}
+        return None, {"reason": "no_worker", "detail": {"backend": backend or "any",
+                                                         "unblock": "start a daemon for this backend"}}
+    for connection in live:
+        busy = Turn.objects.filter(session__connection=connection, status__in=["running", "requires_action"]).count()
+        if busy < connection.max_concurrency:
+            return connection, None
+    return None, {"reason": "capacity", "detail": {"connection": str(live[0].pk),
+                                                    "unblock": "it continues when a running turn ends"}}
+
+
+def _task_session(run: Run, task: AgentTask, connection: Connection) -> Session:
+    """Each task has its own session (idea key ``task:<id>``); a later attempt on the same
+    connection resumes it, on another connection it moves (§6.2)."""
+    session = Session.objects.filter(idea_key=f"task:{task.pk}", status="active").first()
+    cwd = run.target.get("cwd") or connection.cwds[0]
+    if session is None:
+        return session_services.session_create(connection=connection, cwd=cwd, idea_key=f"task:{task.pk}",
+                                               title=f"{run.issue.title} · {task.node.key}")
+    if session.connection_id != connection.pk:
+        Session.objects.filter(pk=session.pk).update(connection=connection, cwd=cwd, backend=connection.backend)
+        event_append(stream=session.stream, kind="session.moved",
+                     data={"id": str(session.pk), "to": {"connection": str(connection.pk), "cwd": cwd}})
+        session.refresh_from_db()
+    return session
+
+
+def node_prompt(run: Run, node: RunNode) -> str:
+    """The issue's title, body and acceptance criteria, then the node's prompt (§6.1)."""
+    issue = run.issue
+    values = {"input": run.input, "issue": {"title": issue.title, "body": issue.body,
+                                            "acceptance_criteria": issue.acceptance_criteria, "id": str(issue.pk)}}
+    template = node.config.get("prompt") or run.input.get("prompt", "")
+    body = _TEMPLATE.sub(lambda m: str(values[m.group(1)].get(m.group(2), "")), template)
+    parts = [f"Issue: {issue.title}", issue.body, f"Acceptance criteria: {issue.acceptance_criteria}"
+             if issue.acceptance_criteria else "", body]
+    return "\n\n".join(p for p in parts if p)
+
+
+# ---------------------------------------------------------------- converge
+def _converge_attempts(run: Run) -> None:
+    attempts = (Attempt.objects.filter(task__node__run=run).exclude(state__in=states.ATTEMPT_TERMINAL)
+                .select_related("turn", "task__node"))
+    for attempt in attempts:
+        turn = attempt.turn
+        if turn is None:
+            continue
+        if turn.status in {"running", "requires_action"} and attempt.state == "preparing":
+            services.attempt_set_state(attempt_id=attempt.pk, state="running", heartbeat_at=timezone.now())
+            if attempt.task.status == "dispatched":
+                services.task_set_status(task_id=attempt.task_id, status="running")
+        elif turn.status in {"ended", "interrupted", "merged"}:
+            _attempt_finished(run, attempt, turn)
+
+
+def _attempt_finished(run: Run, attempt: Attempt, turn: Turn) -> None:
+    outcome = turn_outcome(turn)
+    task, node = attempt.task, attempt.task.node
+    if attempt.state == "preparing":
+        services.attempt_set_state(attempt_id=attempt.pk, state="running")
+    if attempt.state == "cancel_requested" or (turn.status == "interrupted" and turn.interrupted_reason == "user"):
+        if attempt.state != "cancel_requested":
+            services.attempt_set_state(attempt_id=attempt.pk, state="cancel_requested")
+        services.attempt_set_state(attempt_id=attempt.pk, state="cancelled", usage=turn.usage or {})
+        if run.state != "cancelling":  # an operator stopped this turn: the task needs a new decision
+            services.task_set_status(task_id=task.pk, status="failed", error="stopped by an operator")
+            _node_failed_or_retry(node, task, "stopped by an operator")
+        return
+    if turn.status == "ended" and outcome.get("intent") == "succeeded":
+        services.attempt_set_state(attempt_id=attempt.pk, state="succeeded", outcome=outcome, usage=turn.usage or {})
+        services.task_set_status(task_id=task.pk, status="completed", result=outcome)
+        services.node_set_state(node_id=node.pk, state="succeeded")
+        return
+    infra = turn.status == "interrupted" and (turn.interrupted_reason in INFRA_REASONS or (
+        (turn.wake_error or {}).get("kind") in INFRA_WAKE_KINDS))
+    code, message = _failure_of(turn, outcome, infra)
+    services.attempt_set_state(attempt_id=attempt.pk, state="failed", outcome=outcome or None, failure_code=code,
+                               failure_message=message, usage=turn.usage or {})
+    if infra and attempt.number <= run.policy.get("infra_retries", 2):
+        return  # the next tick makes attempt n+1 of the same task
+    services.task_set_status(task_id=task.pk, status="failed", error=message)
+    _node_failed_or_retry(node, task, message)
+
+
+def _failure_of(turn: Turn, outcome: dict, infra: bool) -> tuple[str, str]:
+    if infra:
+        reason = turn.interrupted_reason or (turn.wake_error or {}).get("kind")
+        return "infrastructure", f"the turn ended {turn.status_label}: {reason}"
+    if outcome.get("intent") in {"failed", "blocked", "waiting"}:
+        return f"outcome_{outcome['intent']}", outcome.get("summary") or f"the agent reported {outcome['intent']}"
+    if turn.status == "interrupted":
+        return "agent_crashed", (turn.wake_error or {}).get("summary") or turn.status_label
+    return "no_outcome", "the agent ended without reporting an outcome (prose is not success)"
+
+
+def _node_failed_or_retry(node: RunNode, task: AgentTask, message: str) -> None:
+    allowed = int((node.config.get("retry") or {}).get("max_task_retries", 0))
+    if node.tasks.count() <= allowed:
+        return  # the next tick makes a new task with retry_of (a policy retry)
+    services.node_set_state(node_id=node.pk, state="failed", failure_code="agent_failed", failure_message=message)
+
+
+def turn_outcome(turn: Turn) -> dict:
+    """The agent's explicit outcome, from its reported output (the last one wins)."""
+    from chorus_site.models import Event
+
+    found = {}
+    for event in Event.objects.filter(stream=turn.stream, kind="turn.output", data__id=str(turn.pk),
+                                      data__type="outcome").order_by("id"):
+        found = {k: v for k, v in event.data.items() if k in {"intent", "ref", "summary"}}
+    return found
+
+
+# ---------------------------------------------------------------- run state
+def _settle_run(run: Run, waits: list[dict]) -> str:
+    nodes = list(RunNode.objects.filter(run=run))
+    if all(n.state in states.NODE_TERMINAL for n in nodes):
+        return _complete(run, nodes)
+    if run.state == "paused":
+        return run.state
+    if waits and not Attempt.objects.filter(task__node__run=run).exclude(state__in=states.ATTEMPT_TERMINAL).exists():
+        wait = waits[0]
+        if run.state == "running":
+            services.run_set_state(run_id=run.pk, state="waiting", wait_reason=wait["reason"],
+                                   wait_detail=wait["detail"])
+        elif run.wait_reason != wait["reason"] or run.wait_detail != wait["detail"]:
+            # Still waiting, for another reason now: the reason is shown, the state does not change.
+            Run.objects.filter(pk=run.pk).update(wait_reason=wait["reason"], wait_detail=wait["detail"])
+            event_append(stream=run.stream, kind="run.wait", data={"id": str(run.pk), "wait_reason": wait["reason"]})
+        return "waiting"
+    if run.state == "waiting":
+        services.run_set_state(run_id=run.pk, state="running")
+    return "running"
+
+
+def _complete(run: Run, nodes: list[RunNode]) -> str:
+    succeeded = [n for n in nodes if n.state == "succeeded"]
+    failed = [n for n in nodes if n.state == "failed"]
+    if not failed:
+        state = "succeeded"
+    elif succeeded and all(_tolerated(n) for n in failed):
+        state = "partial_succeeded"
+    else:
+        state = "failed"
+    updates = {}
+    if state == "failed":
+        updates = {"failure_code": "node_failed",
+                   "failure_message": "; ".join(f"{n.key}: {n.failure_message}" for n in failed)[:2000]}
+    services.run_set_state(run_id=run.pk, state=state, **updates)
+    issue = Issue.objects.get(pk=run.issue_id)
+    if state in {"succeeded", "partial_succeeded"} and issue.status == "in_progress":
+        target = "done" if issue.completion_policy == "automatic" and state == "succeeded" else "in_review"
+        services.issue_set_status(issue_id=issue.pk, status="in_review")
+        if target == "done":
+            services.issue_set_status(issue_id=issue.pk, status="done")
+    return state
+
+
+def _finish_cancel(run: Run, nodes: list[RunNode]) -> str:
+    active = Attempt.objects.filter(task__node__run=run).exclude(state__in=states.ATTEMPT_TERMINAL)
+    if active.exists():
+        return run.state
+    for node in nodes:
+        if node.state not in states.NODE_TERMINAL:
+            services.node_set_state(node_id=node.pk, state="cancelled")
+    for task in AgentTask.objects.filter(node__run=run).exclude(status__in=states.TASK_TERMINAL):
+        services.task_set_status(task_id=task.pk, status="cancelled")
+    return services.run_set_state(run_id=run.pk, state="cancelled").state
+
+
+def runs_needing_a_tick() -> list[str]:
+    """Waiting runs and running runs with a ready node: their cause may have cleared."""
+    ids = set(Run.objects.filter(state="waiting").values_list("pk", flat=True))
+    ids |= set(RunNode.objects.filter(run__state="running", state="ready").values_list("run_id", flat=True))
+    return [str(i) for i in ids]
+
+
+# ---------------------------------------------------------------- listener
+def on_turn_status(turn_id: str, attempt_id: str, status: str) -> None:
+    run_id = Attempt.objects.filter(pk=attempt_id).values_list("task__node__run_id", flat=True).first()
+    if run_id is not None and status in {"running", "requires_action", "ended", "interrupted", "merged"}:
+        schedule_tick(run_id)

@@ -1,0 +1,96 @@
+"""Runs end to end (issue: run engine): every attempt is a real turn on the real daemon."""
+
+from __future__ import annotations
+
+import pytest
+
+from executions.models import AgentTask, Attempt, Issue, Run
+from tests.e2e.conftest import wait_until
+
+pytestmark = [pytest.mark.django_db(transaction=True)]
+
+
+def create_issue(api, **extra) -> dict:
+    status, body = api.call("POST", "/issues", {"title": "Add a greeting", "body": "Write hello.txt.",
+                                                "acceptance_criteria": "hello.txt exists", **extra})
+    assert status == 201, body
+    return body
+
+
+def wait_run(run_id, states_wanted, timeout=60) -> Run:
+    return wait_until(lambda: (r := Run.objects.get(pk=run_id)).state in states_wanted and r, timeout=timeout,
+                      message=f"run to reach {states_wanted}")
+
+
+def test_direct_run_succeeds_on_an_explicit_outcome(bridge):
+    api = bridge["api"]
+    issue = create_issue(api)
+    status, body = api.call("POST", "/runs", {
+        "issue": issue["id"], "mode": "direct", "target": {"connection": str(bridge["connection"].pk)},
+        "input": {"prompt": "@write hello.txt hello\n@outcome succeeded\n@reply Greeting written."}})
+    assert status == 201, body
+    run = wait_run(body["run"], {"succeeded", "failed"})
+    assert run.state == "succeeded"
+    attempt = Attempt.objects.get(task__node__run=run)
+    assert attempt.state == "succeeded" and attempt.turn.final_reply == "Greeting written."
+    assert attempt.session.idea_key == f"task:{attempt.task_id}"
+    assert "Issue: Add a greeting" in attempt.turn.prompt and "hello.txt exists" in attempt.turn.prompt
+    assert Issue.objects.get(pk=issue["id"]).status == "in_review"  # acceptance is a separate act
+    status, detail = api.call("GET", f"/runs/{run.pk}")
+    assert detail["nodes"][0]["tasks"][0]["attempts"][0]["state"] == "succeeded"
+
+
+def test_prose_is_not_success_and_a_rerun_is_a_new_run(bridge):
+    api = bridge["api"]
+    issue = create_issue(api)
+    status, body = api.call("POST", "/runs", {"issue": issue["id"], "mode": "direct",
+                                              "input": {"prompt": "@reply I will continue later."}})
+    assert status == 201, body
+    run = wait_run(body["run"], {"succeeded", "failed"})
+    assert run.state == "failed"
+    assert Attempt.objects.get(task__node__run=run).failure_code == "no_outcome"
+    status, again = api.call("POST", f"/runs/{run.pk}/rerun", {})
+    assert status == 200, again
+    rerun = Run.objects.get(pk=again["run"])
+    assert rerun.rerun_of_id == run.pk and rerun.input == run.input and rerun.issue_id == run.issue_id
+    wait_run(rerun.pk, {"failed"})
+    assert Run.objects.get(pk=run.pk).state == "failed"  # history is not rewritten
+
+
+def test_agent_failure_under_a_retry_policy_makes_a_second_task(bridge, ops_admin_user):
+    from chorus_site.tokens import token_create
+    from tests.e2e.conftest import Api
+
+    _t, raw = token_create(user=ops_admin_user, name="admin")
+    admin_api = Api(bridge["portal"], raw)
+    status, wf = admin_api.call("POST", "/workflows", {"name": "retry-once", "spec": {"nodes": [
+        {"key": "build", "type": "agent", "prompt": "@outcome failed\n@reply could not build {{ input.target }}",
+         "retry": {"max_task_retries": 1}}]}})
+    assert status == 201, wf
+    issue = create_issue(bridge["api"])
+    status, body = bridge["api"].call("POST", "/runs", {"issue": issue["id"], "mode": "declared",
+                                                        "workflow_revision": wf["revision"],
+                                                        "input": {"target": "the api"}})
+    assert status == 201, body
+    run = wait_run(body["run"], {"succeeded", "failed"}, timeout=90)
+    assert run.state == "failed"
+    first, second = AgentTask.objects.filter(node__run=run).order_by("ordinal")
+    assert second.retry_of_id == first.pk
+    assert "could not build the api" in Attempt.objects.get(task=first).turn.final_reply
+
+
+def test_cancel_interrupts_a_stop_ignoring_agent_and_ends_cancelled(bridge):
+    api = bridge["api"]
+    issue = create_issue(api)
+    status, body = api.call("POST", "/runs", {"issue": issue["id"], "mode": "direct",
+                                              "input": {"prompt": "@ignore-stop\n@grandchild 120\n@sleep 120"}})
+    run_id = body["run"]
+    wait_until(lambda: Attempt.objects.filter(task__node__run_id=run_id, state="running").exists(), timeout=30,
+               message="the attempt to run")
+    status, answer = api.call("POST", f"/runs/{run_id}/cancel", {"reason": "not needed"})
+    assert status == 200 and answer["interrupted_turns"]
+    run = wait_run(run_id, {"cancelled"}, timeout=30)
+    assert all(a.state in {"cancelled", "failed", "succeeded"} for a in Attempt.objects.filter(task__node__run=run))
+    turn = Attempt.objects.get(task__node__run=run).turn
+    assert turn.stop_state == "confirmed"
+    assert Issue.objects.get(pk=issue["id"]).status == "in_progress"  # not accepted, nothing rolled back
