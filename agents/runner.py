@@ -41,6 +41,8 @@ SUMMARY_MAX = 300
 EVENT_STRING_MAX = 32 * 1024    # characters per string in one event (a huge tool result is cut)
 BATCH_BYTES_MAX = 512 * 1024    # a batch is sent before it grows past this (the portal caps request bodies)
 USAGE_KEYS = ("input", "output", "cache_read", "cache_write")
+# The daemon's own secrets never reach an agent (it may print its environment into a transcript).
+SCRUBBED_ENV = frozenset({"CHORUS_DAEMON_KEY", "CHORUS_DAEMON_CONFIG"})
 
 
 class Reporter(Protocol):
@@ -255,7 +257,8 @@ class TurnRunner:
             self._fail("crash", "spawn_failed", f"{self.backend_name}: cannot build the command: {exc}")
             return
         self.backend = backend
-        env = {**self.environ, **{str(k): str(v) for k, v in (spec.env or {}).items()}}
+        env = {**{k: v for k, v in self.environ.items() if k not in SCRUBBED_ENV}, **request.env,
+               **{str(k): str(v) for k, v in (spec.env or {}).items()}}
         try:
             self.agent = await AgentProcess.start(list(spec.argv), cwd=spec.cwd or cwd, env=env,
                                                   stdin_text=spec.stdin, marker=self.turn, sampler=self.sampler)

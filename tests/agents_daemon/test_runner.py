@@ -251,3 +251,31 @@ async def test_huge_output_is_cut_and_batched_small(workdir, environ):
     first = reports.events_flat[0]
     assert first["kind"] == "text" and "cut by the daemon: 3000000 characters" in first["data"]["text"]
     assert len(reports.events_flat) == 62 and reports.final["final_reply"] == "ok"
+
+
+class EnvDump(Backend):
+    name = "envdump"
+
+    def command(self, *, prompt, cwd, backend_session_id, env):
+        import sys
+
+        code = ("import json, os; print(json.dumps({'type': 'final', 'text': json.dumps({k: os.environ.get(k) for k in "
+                "('CHORUS_DAEMON_KEY', 'CHORUS_DAEMON_CONFIG', 'CHORUS_API_URL', 'CHORUS_TASK_TOKEN', 'KEEP')})}))")
+        return LaunchSpec(argv=[sys.executable, "-c", code])  # forgets to pass ``env`` on: the daemon does
+
+    def parse_event(self, obj):
+        from agents.protocol import AgentEvent
+
+        return [AgentEvent(obj.pop("type"), obj)]
+
+
+async def test_agent_environment_has_the_task_env_but_never_the_daemon_key(workdir, environ):
+    import json
+
+    environ = {**environ, "CHORUS_DAEMON_KEY": "chk_x_secret", "CHORUS_DAEMON_CONFIG": "/etc/chorus.toml", "KEEP": "1"}
+    runner = make_runner(workdir, environ, "hi", backend=EnvDump())
+    runner.request.env["CHORUS_TASK_TOKEN"] = "task-token"
+    await runner.run()
+    seen = json.loads(runner.reporter.final["final_reply"])
+    assert seen == {"CHORUS_DAEMON_KEY": None, "CHORUS_DAEMON_CONFIG": None, "KEEP": "1",
+                    "CHORUS_API_URL": "http://portal.invalid/api/v1", "CHORUS_TASK_TOKEN": "task-token"}
