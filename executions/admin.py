@@ -1,12 +1,12 @@
 """Executions section of the ops admin (SPEC §3.2): runs with their task map, live."""
 
 from django.contrib import admin
-from django.urls import reverse
+from django.urls import path, reverse
 from django.utils.html import format_html
 
 from chorus_site.admin_base import OpsAdmin, live_badge
 
-from . import selectors
+from . import admin_views, selectors
 from .models import AgentTask, Approval, Artifact, Attempt, Comment, Issue, Run, RunNode, WorkflowDefinition, WorkflowRevision
 
 
@@ -47,8 +47,16 @@ class IssueAdmin(OpsAdmin):
     def get_readonly_fields(self, request, obj=None):
         return [] if obj is None else ["status", "version", "created_at", "updated_at"]
 
+    change_form_template = "admin/executions/issue/change_form.html"
+
+    def get_urls(self):
+        view = self.admin_site.admin_view(lambda request, object_id: admin_views.issue_start_run_view(
+            self, request, object_id))
+        return [path("<path:object_id>/start-run/", view, name="executions_issue_start_run")] + super().get_urls()
+
     def extra_detail_context(self, request, obj):
-        return {"chorus_streams_extra": True}
+        return {"can_start_run": request.user.has_perm("executions.start_run"),
+                "runs": list(obj.runs.order_by("-id")[:20])}
 
 
 @admin.register(Comment)
@@ -123,9 +131,23 @@ class RunAdmin(OpsAdmin):
     def object_stream(self, obj):
         return obj.stream
 
+    def get_urls(self):
+        def bind(name):
+            return self.admin_site.admin_view(lambda request, object_id: admin_views.run_action_view(
+                self, request, object_id, name))
+
+        return [path(f"<path:object_id>/{name}/", bind(name), name=f"executions_run_{name}")
+                for name in admin_views.RUN_ACTIONS] + super().get_urls()
+
     def extra_detail_context(self, request, obj):
+        user = request.user
+        offered = {"pause": obj.state in {"running", "waiting"}, "resume": obj.state == "paused",
+                   "cancel": obj.state not in {"cancelling", "cancelled", "succeeded", "partial_succeeded", "failed"},
+                   "rerun": obj.state in {"cancelled", "succeeded", "partial_succeeded", "failed"}}
         return {"graph": selectors.run_graph(obj), "state_badge": live_badge(obj, "state"),
-                "reruns": list(obj.reruns.all()[:20])}
+                "reruns": list(obj.reruns.all()[:20]),
+                "run_actions": [(name, admin_views.RUN_ACTIONS[name][0]) for name, ok in offered.items()
+                                if ok and user.has_perm(f"executions.{name}_run")]}
 
 
 @admin.register(RunNode)

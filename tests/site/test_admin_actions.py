@@ -102,3 +102,31 @@ def test_bulk_interrupt_confirms_then_reports_done_and_refused(operator, live_co
 def test_viewer_has_no_bulk_actions(viewer):
     page = client_for(viewer).get(reverse("admin:sessions_app_turn_changelist"))
     assert b"interrupt_selected" not in page.content
+
+
+def test_issue_page_starts_a_run_and_the_run_page_pauses_and_cancels_it(operator, viewer):
+    issue = factories.make_issue(title="Docs")
+    start_url = reverse("admin:executions_issue_start_run", args=[issue.pk])
+    assert client_for(viewer).get(start_url).status_code == 403
+    page = client_for(operator).get(start_url)
+    assert page.status_code == 200 and b'id="id_mode"' in page.content
+    refused = client_for(operator).post(start_url, {"mode": "direct", "prompt": ""})
+    assert refused.status_code == 200 and b"input.prompt" in refused.content  # explained, form kept
+    started = client_for(operator).post(start_url, {"mode": "direct", "prompt": "@outcome succeeded"})
+    assert started.status_code == 302
+    from executions.models import Run
+
+    run = Run.objects.get(issue=issue)
+    detail = client_for(operator).get(reverse("admin:executions_run_change", args=[run.pk])).content
+    assert b"chorus-run-pause" in detail and b"chorus-run-cancel" in detail and b"chorus-run-rerun" not in detail
+    assert b"chorus-run-pause" not in client_for(viewer).get(
+        reverse("admin:executions_run_change", args=[run.pk])).content
+    pause = reverse("admin:executions_run_pause", args=[run.pk])
+    assert b"freezes no process" in client_for(operator).get(pause).content
+    client_for(operator).post(pause)
+    run.refresh_from_db()
+    assert run.state == "paused"
+    client_for(operator).post(reverse("admin:executions_run_cancel", args=[run.pk]))
+    run.refresh_from_db()
+    assert run.state == "cancelling"
+    assert AuditEntry.objects.filter(target=f"run:{run.pk}", client="admin").count() == 3

@@ -1,0 +1,94 @@
+"""Run action pages of the admin (SPEC §4.7): confirmation first, then the same service as the API."""
+
+from __future__ import annotations
+
+from django.contrib import messages
+from django.core.exceptions import PermissionDenied
+from django.http import HttpResponseRedirect
+from django.template.response import TemplateResponse
+from django.urls import reverse
+
+from chorus_site.errors import ApplicationError
+from sessions_app.admin_views import NOTHING_UNDONE
+from sessions_app.models import Connection
+
+from . import actions, engine
+from .models import WorkflowRevision
+
+RUN_ACTIONS = {
+    "pause": ("Pause", "No new node is dispatched; attempts already running go on (pausing freezes no process).",
+              actions.run_pause),
+    "resume": ("Resume", "Dispatch continues where it stopped.", actions.run_resume),
+    "cancel": ("Cancel", "Every active attempt is interrupted (graceful stop, then its process tree is killed); "
+                         "the run becomes cancelled when all are finished. The issue is not accepted.",
+               actions.run_cancel),
+    "rerun": ("Rerun", "A new run of the same issue, mode, revision and input, linked with rerun_of. "
+                       "This run and its history stay as they are.", actions.run_rerun),
+}
+
+
+def _page(admin, request, obj, context):
+    return TemplateResponse(request, "admin/chorus/action_confirm.html", {
+        **admin.admin_site.each_context(request), "opts": admin.model._meta, "original": obj,
+        "nothing_undone": NOTHING_UNDONE, "fields": [], **context})
+
+
+def run_action_view(admin, request, object_id, name):
+    label, meaning, service = RUN_ACTIONS[name]
+    if not request.user.has_perm(f"executions.{name}_run"):
+        raise PermissionDenied
+    run = admin.get_object(request, object_id)
+    if run is None:
+        raise PermissionDenied
+    url = reverse("admin:executions_run_change", args=[run.pk])
+    if request.method == "POST":
+        kwargs = {} if name == "rerun" else {"expected_version": run.version}
+        try:
+            answer = service(actor=request.user, run_id=run.pk, client="admin",
+                             reason=request.POST.get("reason") or None, **kwargs)
+        except ApplicationError as error:
+            messages.error(request, f"Refused ({error.code}): {error.message}")
+            return HttpResponseRedirect(url)
+        if not answer.get("changed", True):
+            messages.info(request, "Nothing to do: that already holds.")
+        elif name == "rerun":
+            messages.success(request, "Rerun started.")
+            return HttpResponseRedirect(reverse("admin:executions_run_change", args=[answer["run"]]))
+        else:
+            messages.success(request, f"{label}: the run is {answer['state']}.")
+        return HttpResponseRedirect(url)
+    return _page(admin, request, run, {
+        "title": f"{label} run {str(run.pk)[:8]}?", "action_label": label, "danger": name == "cancel",
+        "touched": [f"Run {run.pk} of “{run.issue}” ({run.state})", meaning]})
+
+
+def issue_start_run_view(admin, request, object_id):
+    if not request.user.has_perm("executions.start_run"):
+        raise PermissionDenied
+    issue = admin.get_object(request, object_id)
+    if issue is None:
+        raise PermissionDenied
+    values = request.POST if request.method == "POST" else {"mode": "direct"}
+    if request.method == "POST":
+        target = {"connection": values.get("connection")} if values.get("connection") else {}
+        try:
+            run = engine.run_start(
+                issue_id=issue.pk, mode=values.get("mode", "direct"), actor=request.user, client="admin",
+                workflow_revision_id=values.get("workflow_revision") or None, target=target,
+                input={"prompt": values.get("prompt", "")} if values.get("prompt") else {})
+        except ApplicationError as error:
+            messages.error(request, f"Refused ({error.code}): {error.message}")
+        else:
+            messages.success(request, "Run started.")
+            return HttpResponseRedirect(reverse("admin:executions_run_change", args=[run.pk]))
+    fields = [("mode", "Mode", "mode"), ("workflow_revision", "Workflow revision (declared)", "revision"),
+              ("prompt", "Prompt (direct; for declared runs: input.prompt)", "textarea"),
+              ("connection", "Connection (optional: any live one of the backend)", "connection")]
+    return _page(admin, request, issue, {
+        "title": f"Start a run of “{issue}”", "action_label": "Start run",
+        "touched": ["A new run: each agent node becomes a task with its own session; every attempt is a real "
+                    "turn on a daemon. The issue moves to in progress; acceptance stays a separate act."],
+        "fields": [(n, label, kind, values.get(n, "")) for n, label, kind in fields],
+        "connections": Connection.objects.order_by("name"),
+        "revisions": WorkflowRevision.objects.select_related("workflow").order_by("workflow__name", "-number"),
+    })
