@@ -266,14 +266,19 @@ class ReportSender:
     async def _work(self, lane: str) -> None:
         queue = self._lanes[lane]
         delay = self.backoff_first_s
+        failures = 0
         try:
             while queue:
                 entry = queue[0]
-                outcome = await self._send(entry)
+                outcome = await self._send(entry, quiet=failures % 10 != 0)
                 if outcome == "retry":
+                    failures += 1
                     kicked = await self._wait_retry(delay)
                     delay = self.backoff_first_s if kicked else min(self.backoff_cap_s, delay * 2)
                     continue
+                if failures:
+                    log.info("report %s delivered after %d failed attempt(s)", entry.report_id, failures)
+                failures = 0
                 delay = self.backoff_first_s
                 self.spool.remove(entry)
                 queue.popleft()
@@ -286,11 +291,13 @@ class ReportSender:
             if not self._lanes:
                 self._idle.set()
 
-    async def _send(self, entry: SpoolEntry) -> str:
+    async def _send(self, entry: SpoolEntry, *, quiet: bool = False) -> str:
+        """One attempt. Failures to retry are logged at INFO on the 1st, 11th, 21st… attempt only."""
+        retry_level = logging.DEBUG if quiet else logging.INFO
         try:
             status, text = await self.post(entry.path, entry.body)
         except TransientError as exc:
-            log.info("report %s (%s) not delivered: %s; will retry", entry.report_id, entry.path, exc)
+            log.log(retry_level, "report %s (%s) not delivered: %s; will retry", entry.report_id, entry.path, exc)
             return "retry"
         except asyncio.CancelledError:
             raise
@@ -306,7 +313,8 @@ class ReportSender:
             log.warning("report %s to %s refused by the portal (HTTP %s): %s — dropped",
                         entry.report_id, entry.path, status, text[:500])
         else:
-            log.info("report %s to %s: HTTP %s %s; will retry", entry.report_id, entry.path, status, text[:200])
+            log.log(retry_level, "report %s to %s: HTTP %s %s; will retry", entry.report_id, entry.path, status,
+                    text[:200])
         return outcome
 
     async def _wait_retry(self, delay: float) -> bool:
