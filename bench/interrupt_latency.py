@@ -31,6 +31,9 @@ interrupt latency" section of docs/benchmarks.md (unless ``--no-docs``).
     .venv/bin/python bench/interrupt_latency.py --trials 3 --no-docs
 """
 
+# Over STYLE's ~600 lines on purpose: bench/ keeps one self-contained script per SPEC §11 target
+# (stack, trials, raw floors and the docs section together), and it may not import tests/.
+
 from __future__ import annotations
 
 import argparse
