@@ -18,6 +18,7 @@ from django.utils import timezone
 
 from chorus_site.permissions import ADMIN, DIAGNOSTICS, OPERATOR, VIEWER
 from executions import services as ex
+from executions.workflows import workflow_create
 from executions.models import AgentTask, Approval, Attempt, Run, RunNode, WorkflowDefinition, WorkflowRevision
 from sessions_app import services as ss
 from sessions_app.models import Connection
@@ -146,6 +147,20 @@ class Command(BaseCommand):
         issue = ex.issue_create(title="Add rate limiting to the public API", body="Limit to 100 req/min per token.",
                                 acceptance_criteria="429 after 100 requests in a minute; documented.")
         ex.comment_add(issue_id=issue.pk, body="Please cover the admin API too.", author="operator")
+        # Something to run for real on the local daemon (make run): a declared workflow of scripted agents.
+        workflow_create(name="scripted-demo", description="Plan, write and check a file with the scripted agent.",
+                        spec={"nodes": [
+                            {"key": "plan", "type": "agent",
+                             "prompt": "@sleep 3\n@outcome succeeded\n@reply Plan: write demo.txt."},
+                            {"key": "write", "type": "agent", "depends_on": ["plan"],
+                             "prompt": "@write demo.txt Written for: {{ issue.title }}\n@sleep 3\n"
+                                       "@outcome succeeded\n@reply Wrote demo.txt."},
+                            {"key": "check", "type": "agent", "depends_on": ["write"], "retry": {"max_task_retries": 1},
+                             "prompt": "@sleep 2\n@outcome succeeded\n@reply demo.txt looks right."},
+                        ]})
+        ex.issue_create(title="Try a declared run", body="Start a run of this issue from its page: mode declared, "
+                        "workflow scripted-demo r1, then watch the task map.",
+                        acceptance_criteria="demo.txt exists in the demo workspace")
         issue2 = ex.issue_create(title="Nightly dependency audit", completion_policy="automatic")
         wf = WorkflowDefinition.objects.create(name="build-test-review", description="Build, test, then review.")
         rev = WorkflowRevision.objects.create(workflow=wf, number=1, spec={"nodes": [
