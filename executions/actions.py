@@ -9,7 +9,7 @@ from chorus_site.errors import ApplicationError
 from sessions_app import actions as session_actions
 
 from . import engine, services, states
-from .models import Attempt, Run
+from .models import AgentTask, Approval, Attempt, Issue, Run, RunNode
 
 
 def _run(run_id) -> Run:
@@ -84,3 +84,118 @@ def run_rerun(*, actor, run_id, input=None, client="api", reason=None, idempoten
                            idempotency_key=idempotency_key)
     _audit(actor, "run.rerun", run, f"rerun as {new.pk}", client, reason, idempotency_key)
     return {"changed": True, "run": str(new.pk), "rerun_of": str(run.pk), "state": new.state}
+
+
+# ---------------------------------------------------------------- signals, approvals, review, tasks
+def run_signal(*, actor, run_id, name: str, client="api", reason=None, idempotency_key=None) -> dict:
+    """Deliver a named signal to the run's nodes waiting for it."""
+    run = _run(run_id)
+    if run.state in states.RUN_TERMINAL:
+        raise ApplicationError("invalid_transition", f"the run is {run.state}")
+    delivered = []
+    with transaction.atomic():
+        for node in RunNode.objects.filter(run=run, type="signal", state="waiting"):
+            if node.wait_detail.get("signal") == name:
+                services.node_set_state(node_id=node.pk, state="succeeded", actor=actor)
+                delivered.append(node.key)
+        _audit(actor, "run.signal", run, f"signal {name} to {len(delivered)} node(s)", client, reason, idempotency_key)
+        if delivered:
+            engine.schedule_tick(run.pk)
+    return {"changed": bool(delivered), "signal": name, "nodes": delivered}
+
+
+def approval_decide(*, actor, approval_id, decision: str, expected_version=None, client="api", reason=None,
+                    idempotency_key=None) -> dict:
+    if decision not in {"approved", "rejected"}:
+        raise ApplicationError("bad_request", "decision is approved or rejected")
+    approval = Approval.objects.select_related("node").filter(pk=approval_id).first()
+    if approval is None:
+        raise ApplicationError("not_found", "not found")
+    designated = approval.approver_user_id or approval.approver_group_id
+    if designated and not (approval.approver_user_id == getattr(actor, "pk", None)
+                           or actor.groups.filter(pk=approval.approver_group_id).exists()):
+        raise ApplicationError("forbidden", "this approval is for a designated approver")
+    if approval.status == decision:
+        return {"changed": False, "status": approval.status, "version": approval.version}
+    with transaction.atomic():
+        approval = services.approval_set_status(approval_id=approval.pk, status=decision, actor=actor,
+                                                expected_version=expected_version, reason=reason or "")
+        node = approval.node
+        if node is not None and node.state == "waiting":
+            services.node_set_state(node_id=node.pk, state="succeeded" if decision == "approved" else "failed",
+                                    actor=actor, failure_message="" if decision == "approved" else
+                                    f"rejected: {reason or 'no reason given'}")
+            engine.schedule_tick(node.run_id)
+        audit_record(actor=actor, action="approval.decide", target=f"approval:{approval.pk}", outcome=decision,
+                     client=client, reason=reason, idempotency_key=idempotency_key)
+    return {"changed": True, "status": approval.status, "version": approval.version}
+
+
+def issue_review(*, actor, issue_id, accept: bool, expected_version=None, client="api", reason=None,
+                 idempotency_key=None) -> dict:
+    """Accept (in_review → done) or reject (→ in_progress, starting no execution)."""
+    issue = Issue.objects.filter(pk=issue_id).first()
+    if issue is None:
+        raise ApplicationError("not_found", "not found")
+    target = "done" if accept else "in_progress"
+    if issue.status != "in_review":
+        if issue.status == target and accept:
+            return {"changed": False, "status": issue.status, "version": issue.version}
+        raise ApplicationError("invalid_transition", f"only an issue in review can be {'accepted' if accept else 'rejected'}",
+                               {"status": issue.status})
+    with transaction.atomic():
+        issue = services.issue_set_status(issue_id=issue.pk, status=target, actor=actor,
+                                          expected_version=expected_version)
+        if reason:
+            services.comment_add(issue_id=issue.pk, body=reason, author=getattr(actor, "username", "system"),
+                                 type="status")
+        audit_record(actor=actor, action="issue.accept" if accept else "issue.reject", target=f"issue:{issue.pk}",
+                     outcome=issue.status, client=client, reason=reason, idempotency_key=idempotency_key)
+    return {"changed": True, "status": issue.status, "version": issue.version}
+
+
+def task_retry(*, actor, task_id, client="api", reason=None, idempotency_key=None) -> dict:
+    """A new task for the node (the finished task stays as it was)."""
+    task = AgentTask.objects.select_related("node__run").filter(pk=task_id).first()
+    if task is None:
+        raise ApplicationError("not_found", "not found")
+    node, run = task.node, task.node.run
+    if task.status not in states.TASK_TERMINAL:
+        raise ApplicationError("invalid_transition", "the task is still active: cancel it first")
+    if node.state in states.NODE_TERMINAL or run.state in states.RUN_TERMINAL:
+        raise ApplicationError("invalid_transition", "the node has finished: rerun the run instead",
+                               {"node": node.state, "run": run.state})
+    with transaction.atomic():
+        new = AgentTask.objects.create(node=node, ordinal=node.tasks.count() + 1, retry_of=task)
+        from chorus_site.events import event_append
+
+        event_append(stream=run.stream, kind="task.created", actor=getattr(actor, "username", ""),
+                     data={"id": str(new.pk), "node": str(node.pk), "ordinal": new.ordinal, "retry_of": str(task.pk)})
+        audit_record(actor=actor, action="task.retry", target=f"task:{task.pk}", outcome=f"new task {new.pk}",
+                     client=client, reason=reason, idempotency_key=idempotency_key)
+        engine.schedule_tick(run.pk)
+    return {"changed": True, "task": str(new.pk), "retry_of": str(task.pk)}
+
+
+def task_cancel(*, actor, task_id, client="api", reason=None, idempotency_key=None) -> dict:
+    task = AgentTask.objects.select_related("node__run").filter(pk=task_id).first()
+    if task is None:
+        raise ApplicationError("not_found", "not found")
+    if task.status == "cancelled":
+        return {"changed": False, "status": task.status}
+    if task.status in states.TASK_TERMINAL:
+        raise ApplicationError("invalid_transition", f"the task is {task.status}")
+    with transaction.atomic():
+        for attempt in task.attempts.exclude(state__in=states.ATTEMPT_TERMINAL):
+            services.attempt_set_state(attempt_id=attempt.pk, state="cancel_requested", actor=actor)
+            if attempt.turn_id:
+                try:
+                    session_actions.turn_interrupt(actor=actor, turn_id=attempt.turn_id, client=client,
+                                                   reason=reason or "task cancelled")
+                except ApplicationError:
+                    pass
+        task = services.task_set_status(task_id=task.pk, status="cancelled", actor=actor)
+        audit_record(actor=actor, action="task.cancel", target=f"task:{task.pk}", outcome="cancelled", client=client,
+                     reason=reason, idempotency_key=idempotency_key)
+        engine.schedule_tick(task.node.run_id)
+    return {"changed": True, "status": task.status}

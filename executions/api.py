@@ -244,3 +244,67 @@ def _jsonable(value):
     import json
 
     return json.loads(json.dumps(value, default=str))
+
+
+class DecisionIn(Schema):
+    decision: str
+    expected_version: int | None = None
+    reason: str | None = None
+
+
+class ReviewIn(Schema):
+    expected_version: int | None = None
+    reason: str | None = None
+
+
+class TaskActionIn(Schema):
+    reason: str | None = None
+
+
+@router.post("/runs/{run_id}/signals/{name}", response={200: dict, **ERRORS}, summary="Deliver a signal (§4.7)")
+def run_signal(request, run_id: UUID, name: str, body: TaskActionIn = None):
+    reason = body.reason if body else None
+    return act(request, perm="executions.signal_run", route=f"runs.signal:{run_id}:{name}", body={"reason": reason},
+               action=lambda user, key: actions.run_signal(actor=user, run_id=run_id, name=name, reason=reason,
+                                                           idempotency_key=key))
+
+
+@router.post("/approvals/{approval_id}/decide", response={200: dict, **ERRORS}, summary="Decide an approval")
+def approval_decide(request, approval_id: UUID, body: DecisionIn):
+    return act(request, perm="executions.decide_approval", route=f"approvals.decide:{approval_id}", body=body.dict(),
+               action=lambda user, key: actions.approval_decide(
+                   actor=user, approval_id=approval_id, decision=body.decision,
+                   expected_version=body.expected_version, reason=body.reason, idempotency_key=key))
+
+
+@router.post("/issues/{issue_id}/accept", response={200: dict, **ERRORS}, summary="Accept an issue in review")
+def issue_accept(request, issue_id: UUID, body: ReviewIn):
+    return act(request, perm="executions.accept_issue", route=f"issues.accept:{issue_id}", body=body.dict(),
+               action=lambda user, key: actions.issue_review(actor=user, issue_id=issue_id, accept=True,
+                                                             expected_version=body.expected_version,
+                                                             reason=body.reason, idempotency_key=key))
+
+
+@router.post("/issues/{issue_id}/reject", response={200: dict, **ERRORS},
+             summary="Reject: back to in progress, starting no execution")
+def issue_reject(request, issue_id: UUID, body: ReviewIn):
+    return act(request, perm="executions.reject_issue", route=f"issues.reject:{issue_id}", body=body.dict(),
+               action=lambda user, key: actions.issue_review(actor=user, issue_id=issue_id, accept=False,
+                                                             expected_version=body.expected_version,
+                                                             reason=body.reason, idempotency_key=key))
+
+
+@router.post("/tasks/{task_id}/retry", response={200: dict, **ERRORS}, summary="A new task for the node")
+def task_retry(request, task_id: UUID, body: TaskActionIn = None):
+    reason = body.reason if body else None
+    return act(request, perm="executions.retry_task", route=f"tasks.retry:{task_id}", body={"reason": reason},
+               action=lambda user, key: actions.task_retry(actor=user, task_id=task_id, reason=reason,
+                                                           idempotency_key=key))
+
+
+@router.post("/tasks/{task_id}/cancel", response={200: dict, **ERRORS}, summary="Cancel a task")
+def task_cancel(request, task_id: UUID, body: TaskActionIn = None):
+    reason = body.reason if body else None
+    return act(request, perm="executions.cancel_task", route=f"tasks.cancel:{task_id}", body={"reason": reason},
+               action=lambda user, key: actions.task_cancel(actor=user, task_id=task_id, reason=reason,
+                                                            idempotency_key=key))

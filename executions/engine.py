@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import re
+from datetime import timedelta
 
 from django.db import transaction
 from django.utils import timezone
@@ -26,7 +27,7 @@ from sessions_app import services as session_services
 from sessions_app.models import Connection, Session, Turn
 
 from . import services, states
-from .models import AgentTask, Attempt, Issue, Run, RunNode, WorkflowRevision
+from .models import AgentTask, Approval, Attempt, Issue, Run, RunNode, WorkflowRevision
 
 log = logging.getLogger(__name__)
 
@@ -132,9 +133,10 @@ def run_tick_apply(*, run_id) -> str:
         _promote_nodes(nodes)
         if run.state != "paused":
             # Running nodes too: a failed attempt (infra retry) or task (policy retry) needs a successor.
+            _block_nodes_of_cancelled_tasks(nodes)
             waits = [_dispatch_node(run, node) for node in nodes
-                     if node.state in {"ready", "running"} and node.type == "agent"]
-            _wait_on_other_nodes(nodes)
+                     if node.state in {"ready", "running", "waiting"} and node.type == "agent"]
+            _wait_on_other_nodes(run, nodes)
             waits = [w for w in waits if w]
         else:
             waits = []
@@ -157,14 +159,37 @@ def _tolerated(node: RunNode) -> bool:
     return node.state == "failed" and bool(node.config.get("continue_on_failure"))
 
 
-def _wait_on_other_nodes(nodes: list[RunNode]) -> None:
-    """Approval, signal, timer and subrun nodes are not executed yet: they wait, visibly."""
-    reasons = {"approval": "approval", "signal": "signal", "timer": "timer", "subrun": "dependency"}
+def _wait_on_other_nodes(run: Run, nodes: list[RunNode]) -> None:
+    """Approval, signal and timer nodes wait for their cause; subrun nodes are not executed yet."""
+    now = timezone.now()
     for node in nodes:
-        if node.state == "ready" and node.type in reasons:
-            services.node_set_state(node_id=node.pk, state="waiting", wait_reason=reasons[node.type],
-                                    wait_detail={"unblock": f"{node.type} nodes are not executed by this version"})
-            node.state = "waiting"
+        if node.type == "agent" or node.state not in {"ready", "waiting"}:
+            continue
+        if node.state == "ready":
+            reason, detail = _node_wait(run, node, now)
+            services.node_set_state(node_id=node.pk, state="waiting", wait_reason=reason, wait_detail=detail)
+            node.state, node.wait_reason, node.wait_detail = "waiting", reason, detail
+        elif node.type == "timer" and node.wait_detail.get("until") and node.wait_detail["until"] <= now.isoformat():
+            services.node_set_state(node_id=node.pk, state="succeeded")
+            node.state = "succeeded"
+
+
+def _node_wait(run: Run, node: RunNode, now) -> tuple[str, dict]:
+    if node.type == "approval":
+        from django.contrib.auth.models import Group
+
+        group = Group.objects.filter(name=node.config.get("approver_group") or "").first()
+        approval = Approval.objects.create(node=node, approver_group=group,
+                                           prompt=node.config.get("prompt") or f"Approve “{node.key}”?")
+        event_append(stream=run.stream, kind="approval.created", data={"id": str(approval.pk), "node": str(node.pk)})
+        return "approval", {"approval": str(approval.pk), "unblock": "decide the approval (inbox or API)"}
+    if node.type == "signal":
+        name = node.config.get("signal") or node.key
+        return "signal", {"signal": name, "unblock": f"POST /api/v1/runs/{run.pk}/signals/{name}"}
+    if node.type == "timer":
+        until = now + timedelta(seconds=float(node.config.get("seconds", 60)))
+        return "timer", {"until": until.isoformat(), "unblock": "it continues by itself at that time"}
+    return "dependency", {"unblock": "subrun nodes are not executed by this version"}
 
 
 # ---------------------------------------------------------------- dispatch
@@ -172,6 +197,9 @@ def _dispatch_node(run: Run, node: RunNode) -> dict | None:
     """Make sure a ready agent node has a task with an attempt on a turn; a wait reason if it cannot."""
     task = node.tasks.exclude(status__in=states.TASK_TERMINAL).order_by("-ordinal").first()
     if task is None:
+        latest = node.tasks.order_by("-ordinal").first()
+        if node.state == "waiting" or (latest is not None and latest.status == "cancelled"):
+            return None  # an operator cancelled it: only a task retry (or a rerun) goes on
         task = AgentTask.objects.create(node=node, ordinal=(node.tasks.count() + 1),
                                         retry_of=node.tasks.order_by("-ordinal").first())
         event_append(stream=run.stream, kind="task.created",
@@ -197,9 +225,23 @@ def _dispatch_node(run: Run, node: RunNode) -> dict | None:
     AgentTask.objects.filter(pk=task.pk).update(current_attempt=attempt, session=session)
     if task.status == "queued":
         services.task_set_status(task_id=task.pk, status="dispatched")
-    if node.state == "ready":
-        services.node_set_state(node_id=node.pk, state="running")
+    if node.state in {"ready", "waiting"}:
+        services.node_set_state(node_id=node.pk, state="running", wait_reason="", wait_detail={})
     return None
+
+
+def _block_nodes_of_cancelled_tasks(nodes: list[RunNode]) -> None:
+    for node in nodes:
+        if node.type != "agent" or node.state not in {"ready", "running"}:
+            continue
+        if node.tasks.exclude(status__in=states.TASK_TERMINAL).exists():
+            continue
+        latest = node.tasks.order_by("-ordinal").first()
+        if latest is not None and latest.status == "cancelled":
+            services.node_set_state(node_id=node.pk, state="waiting", wait_reason="blocked",
+                                    wait_detail={"task": str(latest.pk),
+                                                 "unblock": "retry the task, or cancel the run"})
+            node.state = "waiting"
 
 
 def _choose_connection(run: Run, node: RunNode, task: AgentTask):
@@ -272,13 +314,17 @@ def _converge_attempts(run: Run) -> None:
 def _attempt_finished(run: Run, attempt: Attempt, turn: Turn) -> None:
     outcome = turn_outcome(turn)
     task, node = attempt.task, attempt.task.node
-    if attempt.state == "preparing":
+    if attempt.state == "preparing":  # the turn ran and ended between two ticks
         services.attempt_set_state(attempt_id=attempt.pk, state="running")
+    if task.status == "dispatched":
+        task = services.task_set_status(task_id=task.pk, status="running")
     if attempt.state == "cancel_requested" or (turn.status == "interrupted" and turn.interrupted_reason == "user"):
         if attempt.state != "cancel_requested":
             services.attempt_set_state(attempt_id=attempt.pk, state="cancel_requested")
         services.attempt_set_state(attempt_id=attempt.pk, state="cancelled", usage=turn.usage or {})
-        if run.state != "cancelling":  # an operator stopped this turn: the task needs a new decision
+        task.refresh_from_db()
+        if run.state != "cancelling" and task.status not in states.TASK_TERMINAL:
+            # An operator stopped this turn directly: the task failed; its node may retry.
             services.task_set_status(task_id=task.pk, status="failed", error="stopped by an operator")
             _node_failed_or_retry(node, task, "stopped by an operator")
         return
@@ -334,7 +380,11 @@ def _settle_run(run: Run, waits: list[dict]) -> str:
         return _complete(run, nodes)
     if run.state == "paused":
         return run.state
-    if waits and not Attempt.objects.filter(task__node__run=run).exclude(state__in=states.ATTEMPT_TERMINAL).exists():
+    idle = not Attempt.objects.filter(task__node__run=run).exclude(state__in=states.ATTEMPT_TERMINAL).exists()
+    waiting_nodes = [n for n in nodes if n.state == "waiting"]
+    if idle and not waits and waiting_nodes:
+        waits = [{"reason": waiting_nodes[0].wait_reason, "detail": waiting_nodes[0].wait_detail}]
+    if waits and idle:
         wait = waits[0]
         if run.state == "running":
             services.run_set_state(run_id=run.pk, state="waiting", wait_reason=wait["reason"],
@@ -388,6 +438,8 @@ def runs_needing_a_tick() -> list[str]:
     """Waiting runs and running runs with a ready node: their cause may have cleared."""
     ids = set(Run.objects.filter(state="waiting").values_list("pk", flat=True))
     ids |= set(RunNode.objects.filter(run__state="running", state="ready").values_list("run_id", flat=True))
+    ids |= set(RunNode.objects.filter(run__state__in=["running", "waiting"], state="waiting", type="timer")
+               .values_list("run_id", flat=True))
     return [str(i) for i in ids]
 
 

@@ -229,8 +229,9 @@ def turn_interrupt(*, actor, turn_id, client: str = "api", reason: str | None = 
 def turn_stop_deadline_check(*, turn_id) -> bool:
     """After the deadline: a stop with no confirmation is marked ``unconfirmed`` (never pretended)."""
     turn = Turn.objects.filter(pk=turn_id).first()
-    if turn is None or turn.status not in {states.RUNNING, states.REQUIRES_ACTION}:
+    if turn is None or turn.status in {states.ENDED, states.MERGED, states.PENDING}:
         return False
+    # Also an interrupted turn: the agent exited but the daemon could not clear its tree.
     if turn.stop_state not in {states.STOP_REQUESTED, states.STOP_SIGNALLED, states.STOP_ESCALATED}:
         return False
     try:
@@ -319,10 +320,15 @@ def session_resume(*, actor, session_id, context: str = "", client: str = "api",
         _audit(actor, "session.resume", f"session:{session.pk}", f"refused: {preflight['refusal']}", client=client,
                reason=reason, idempotency_key=idempotency_key)
         raise ApplicationError(code, preflight["refusal"], {"preflight": _jsonable(preflight)})
+    last = session.turns.order_by("-seq").first()
     prompt = context.strip()
     if preflight["last_turn_reason"] == states.REASON_CRASH:
         prompt = f"{CRASH_PREFACE}\n\n{prompt}".strip()
     with transaction.atomic():
+        if last is not None and last.status == states.REQUIRES_ACTION:
+            # Its questions are answered: the answers travel in the resume turn, so the waiting turn ends.
+            services.turn_set_status(turn_id=last.pk, status=states.ENDED, actor=actor,
+                                     data={"resolved_by": "resume"})
         answer = _queue_turn(session, trigger="resume", prompt=prompt or "Continue where you left off.", actor=actor)
         _audit(actor, "session.resume", f"session:{session.pk}", "resume turn created", client=client, reason=reason,
                idempotency_key=idempotency_key)

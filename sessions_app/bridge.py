@@ -238,21 +238,33 @@ def _apply_advance(connection: Connection, turn_id, report: dict) -> dict:
         return {"turn": str(turn.pk), "status": turn.status, "stop_state": turn.stop_state}
     if status not in {protocol.RUNNING, protocol.REQUIRES_ACTION, protocol.ENDED, protocol.INTERRUPTED}:
         raise ApplicationError("bad_request", f"unknown status {status!r}")
+    if status == protocol.REQUIRES_ACTION and turn.status == states.REQUIRES_ACTION:
+        # A later report of the same wait (e.g. at the agent's exit) adds what it knows; no transition.
+        updates = {name: report[name] for name in ("requires_action", "usage", "changes") if
+                   isinstance(report.get(name), dict)}
+        Turn.objects.filter(pk=turn.pk).update(**updates)
+        return {"turn": str(turn.pk), "status": turn.status, "stop_state": turn.stop_state}
     fields = {}
     if report.get("pid") is not None:
         fields["pid"] = int(report["pid"])
     if status == protocol.REQUIRES_ACTION:
         fields["requires_action"] = report.get("requires_action") or {"kind": "confirmation", "items": []}
-    if status in {protocol.ENDED, protocol.INTERRUPTED}:
+    if status in {protocol.REQUIRES_ACTION, protocol.ENDED, protocol.INTERRUPTED}:
         for name in ("changes", "usage"):
             if isinstance(report.get(name), dict):
                 fields[name] = report[name]
+    if status in {protocol.ENDED, protocol.INTERRUPTED}:
         if isinstance(report.get("background_processes"), list):
             fields["background_processes"] = report["background_processes"][:100]
         if report.get("final_reply"):
             fields["final_reply"] = str(report["final_reply"])
-        if turn.stop_state not in {states.STOP_NONE, states.STOP_CONFIRMED}:
-            stop_state = states.STOP_CONFIRMED  # the process is gone, whichever way it ended
+        if stop_state is None and turn.stop_state in {states.STOP_REQUESTED, states.STOP_SIGNALLED,
+                                                      states.STOP_ESCALATED}:
+            # The agent exited while a stop was under way.  Confirmed only if nothing survived; a
+            # daemon that could not clear the tree lists the survivors and the deadline job then
+            # marks the stop unconfirmed: it never pretends.
+            if not report.get("background_processes"):
+                stop_state = states.STOP_CONFIRMED
     turn = services.turn_set_status(
         turn_id=turn.pk, status=status, reason=report.get("reason") if status == protocol.INTERRUPTED else None,
         wake_error=report.get("wake_error"), stop_state=stop_state, from_daemon=True, **fields)

@@ -165,7 +165,7 @@ def test_a_report_made_while_the_portal_is_down_arrives_once(bridge, tmp_path):
     wait_status(turn, "running")
     port = int(bridge["portal"].rsplit(":", 1)[1])
     stop_process(bridge["portal"].process)  # the portal goes down mid-turn
-    wait_until(lambda: any((tmp_path / "spool").rglob("*")), timeout=30, message="a spooled report")
+    wait_until(lambda: any((tmp_path / "spool").rglob("0*.json")), timeout=30, message="a spooled report")
     agent_pid = Turn.objects.get(pk=turn.pk).pid
     wait_until(lambda: not alive(agent_pid), timeout=30, message="the agent to finish")
     assert Turn.objects.get(pk=turn.pk).status == "running"

@@ -296,3 +296,33 @@ def test_crashed_turns_resume_once_on_reconnect_when_configured(operator, connec
     assert not Turn.objects.filter(session=stopped.session, trigger="resume").exists()  # user stops never
     bridge.connection_daemon_connected(connection_id=connection.pk, hello={"version": "t"})
     assert Turn.objects.filter(session=crashed.session, trigger="resume").count() == 1  # once
+
+
+def test_answering_a_requires_action_turn_then_resuming_dispatches(operator, connection):
+    turn = Turn.objects.get(pk=start(operator, connection)["turn"])
+    report(Client(), connection, turn, status="running")
+    ask = {"kind": "confirmation", "items": [{"id": "q1", "text": "Deploy?"}]}
+    report(Client(), connection, turn, status="requires_action", requires_action=ask)
+    again = report(Client(), connection, turn, status="requires_action", requires_action=ask,
+                   usage={"input": 3, "output": 1})
+    assert again.status_code == 200  # a repeated wait adds data, it is not refused
+    assert Turn.objects.get(pk=turn.pk).usage == {"input": 3, "output": 1}
+    answered = post(api(operator), f"/api/v1/turns/{turn.pk}/actions", {"answers": [{"id": "q1", "answer": "yes"}]})
+    assert answered.json()["all_answered"] is True
+    resumed = post(api(operator), f"/api/v1/sessions/{turn.session_id}/resume", {"context": "Deploy?: yes"}).json()
+    assert resumed["queued"] is False
+    assert Turn.objects.get(pk=turn.pk).status == "ended"
+    assert ControlCommand.objects.get(turn_id=resumed["turn"]).action == "resume"
+
+
+def test_a_stop_with_survivors_is_not_confirmed(operator, connection):
+    turn = Turn.objects.get(pk=start(operator, connection)["turn"])
+    report(Client(), connection, turn, status="running")
+    post(api(operator), f"/api/v1/turns/{turn.pk}/interrupt")
+    report(Client(), connection, turn, status="interrupted", reason="user",
+           background_processes=[{"pid": 99999, "cmdline": "sleep 600"}])
+    turn.refresh_from_db()
+    assert turn.status == "interrupted" and turn.stop_state == "requested"
+    assert actions.turn_stop_deadline_check(turn_id=turn.pk) is True
+    turn.refresh_from_db()
+    assert turn.stop_state == "unconfirmed"  # in doubt, visibly

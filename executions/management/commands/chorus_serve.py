@@ -50,7 +50,7 @@ class Command(BaseCommand):
             key = self._local_connection_key(str(workspace))
             children.append(subprocess.Popen(
                 [sys.executable, "manage.py", "chorus_daemon", "--portal", base, "--key", key, "--cwd", str(workspace),
-                 "--backend", "scripted", "--spool-dir", str(Path(settings.DATA_DIR) / "daemon-spool")],
+                 "--backend", "scripted", "--sigint-timeout", "5", "--spool-dir", str(Path(settings.DATA_DIR) / "daemon-spool")],
                 cwd=settings.BASE_DIR, env=env))
             self.stdout.write(f"Local daemon: connection {LOCAL_CONNECTION}, scripted agent, directory {workspace}")
         self.stdout.write(self.style.SUCCESS(f"Chorus Ops: {base}/admin/  ·  API {base}/api/v1/docs  ·  Ctrl-C stops"))
@@ -109,11 +109,11 @@ class Command(BaseCommand):
 
     @staticmethod
     def _stop(children):
+        # The daemon first, and wait for it: its last reports (turns it stops) still reach the portal.
         for child in reversed(children):
             if child.poll() is None:
                 child.send_signal(signal.SIGTERM)
-        for child in reversed(children):
             try:
-                child.wait(timeout=15)
+                child.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 child.kill()
