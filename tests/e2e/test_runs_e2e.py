@@ -94,3 +94,48 @@ def test_cancel_interrupts_a_stop_ignoring_agent_and_ends_cancelled(bridge):
     turn = Attempt.objects.get(task__node__run=run).turn
     assert turn.stop_state == "confirmed"
     assert Issue.objects.get(pk=issue["id"]).status == "in_progress"  # not accepted, nothing rolled back
+
+
+def test_killing_the_daemon_mid_attempt_makes_attempt_2_which_succeeds(bridge):
+    from sessions_app.models import Connection
+    from tests.e2e.conftest import wait_online
+
+    api = bridge["api"]
+    issue = create_issue(api)
+    status, body = api.call("POST", "/runs", {
+        "issue": issue["id"], "mode": "direct", "target": {"connection": str(bridge["connection"].pk)},
+        "input": {"prompt": "@sleep 6\n@outcome succeeded\n@reply done after the outage"}})
+    run_id = body["run"]
+    wait_until(lambda: Attempt.objects.filter(task__node__run_id=run_id, state="running").exists(), timeout=30,
+               message="attempt 1 to run")
+    bridge["daemon"].kill()
+    wait_until(lambda: Connection.objects.get(pk=bridge["connection"].pk).status == "offline", timeout=30,
+               message="the connection to go offline")
+    bridge["daemon"].start()  # it stops what its killed predecessor left and reports it
+    wait_online(bridge["connection"])
+    run = wait_run(run_id, {"succeeded", "failed"}, timeout=120)
+    assert run.state == "succeeded"
+    first, second = Attempt.objects.filter(task__node__run=run).order_by("number")
+    assert (first.state, first.failure_code) == ("failed", "infrastructure")
+    assert second.state == "succeeded" and second.task_id == first.task_id
+    assert second.session_id == first.session_id  # same task, same connection: the same session
+    assert AgentTask.objects.filter(node__run=run).count() == 1
+
+
+def test_a_declared_run_with_a_tolerated_failure_is_partial_succeeded(bridge, ops_admin_user):
+    from chorus_site.tokens import token_create
+    from tests.e2e.conftest import Api
+
+    _t, raw = token_create(user=ops_admin_user, name="admin")
+    status, wf = Api(bridge["portal"], raw).call("POST", "/workflows", {"name": "partial", "spec": {"nodes": [
+        {"key": "docs", "type": "agent", "prompt": "@outcome succeeded\n@reply docs done"},
+        {"key": "lint", "type": "agent", "prompt": "@outcome failed\n@reply 3 warnings", "continue_on_failure": True},
+        {"key": "report", "type": "agent", "depends_on": ["docs", "lint"], "prompt": "@outcome succeeded"},
+    ]}})
+    assert status == 201, wf
+    issue = create_issue(bridge["api"])
+    status, body = bridge["api"].call("POST", "/runs", {"issue": issue["id"], "mode": "declared",
+                                                        "workflow_revision": wf["revision"]})
+    run = wait_run(body["run"], {"succeeded", "partial_succeeded", "failed"}, timeout=90)
+    assert run.state == "partial_succeeded"
+    assert Issue.objects.get(pk=issue["id"]).status == "in_review"
