@@ -6,7 +6,7 @@ from django.utils.html import format_html
 
 from chorus_site.admin_base import OpsAdmin, live_badge
 
-from . import admin_views, selectors
+from . import admin_views, selectors, troubleshooting
 from .models import AgentTask, Approval, Artifact, Attempt, Comment, Issue, Run, RunNode, WorkflowDefinition, WorkflowRevision
 
 
@@ -136,8 +136,14 @@ class RunAdmin(OpsAdmin):
             return self.admin_site.admin_view(lambda request, object_id: admin_views.run_action_view(
                 self, request, object_id, name))
 
+        def record(fmt):
+            return self.admin_site.admin_view(lambda request, object_id: troubleshooting.admin_download_view(
+                self, request, object_id, fmt))
+
         return [path(f"<path:object_id>/{name}/", bind(name), name=f"executions_run_{name}")
-                for name in admin_views.RUN_ACTIONS] + super().get_urls()
+                for name in admin_views.RUN_ACTIONS] + [
+            path(f"<path:object_id>/troubleshooting.{fmt}", record(fmt), name=f"executions_run_troubleshooting_{fmt}")
+            for fmt in ("md", "json")] + super().get_urls()
 
     def extra_detail_context(self, request, obj):
         user = request.user

@@ -13,8 +13,9 @@ from chorus_site.errors import ApplicationError
 from chorus_site.permissions import can_view_diagnostics
 from chorus_site.redaction import redact
 from sessions_app.selectors import get_or_404
+from sessions_app.troubleshooting import export_options, export_response
 
-from . import actions, engine, services, workflows
+from . import actions, engine, services, troubleshooting, workflows
 from . import selectors as sel
 from .filters import ArtifactFilter, AttemptFilter, IssueFilter, RunFilter
 from .schemas import (
@@ -71,6 +72,18 @@ def runs_list(request, state: str = None, mode: str = None, issue: UUID = None, 
 def run_detail(request, run_id: UUID):
     require_ops(request)
     return sel.run_out(get_or_404(sel.runs_qs(), run_id), graph=True)
+
+
+@router.get("/runs/{run_id}/troubleshooting", response={200: dict, **ERRORS},
+            summary="Troubleshooting record (§9): JSON, or Markdown with ?format=md; redacted unless ?redacted=0")
+def run_troubleshooting(request, run_id: UUID, format: str = "json", redacted: bool = True, details: bool = False):
+    """``?redacted=0`` and ``?details=1`` are for ops_diagnostics (403 otherwise) and audited."""
+    user = require_ops(request)
+    run = get_or_404(sel.runs_qs(), run_id)
+    export_options(user, redacted=redacted, details=details)
+    record = troubleshooting.run_record(run, redacted=redacted, include_details=details)
+    return export_response(user=user, record=record, target=f"run:{run.pk}", filename=f"run-{run.pk}", fmt=format,
+                           markdown=troubleshooting.record_markdown)
 
 
 @router.get("/tasks/{task_id}", response={200: TaskOut, **ERRORS}, summary="Agent task with its attempts")

@@ -13,3 +13,10 @@ class ExecutionsConfig(AppConfig):
         from .engine import on_turn_status as engine_on_turn_status
 
         on_turn_status(engine_on_turn_status)
+
+        # The session troubleshooting record names the runs and issues its turns worked for.
+        from sessions_app.troubleshooting import on_session_record
+
+        from .troubleshooting import session_context
+
+        on_session_record(session_context)

@@ -11,6 +11,7 @@ from chorus_site.audit import audit_record
 from chorus_site.errors import ApplicationError
 
 from . import selectors as sel
+from . import troubleshooting
 from .filters import ConnectionFilter, SessionFilter, TurnFilter
 from .schemas import (
     ConnectionOut, ConnectionPage, DiagnosticsOut, PreflightOut, SessionOut, SessionPage, TranscriptPage, TurnOut,
@@ -74,6 +75,20 @@ def session_transcript(request, session_id: UUID, limit: int = 200, cursor: str 
 def session_resume_preflight(request, session_id: UUID):
     require_ops(request)
     return sel.resume_preflight(sel.get_or_404(sel.sessions_qs(), session_id))
+
+
+@router.get("/sessions/{session_id}/troubleshooting", response={200: dict, **ERRORS},
+            summary="Troubleshooting record (§9): JSON, or Markdown with ?format=md; redacted unless ?redacted=0")
+def session_troubleshooting(request, session_id: UUID, format: str = "json", redacted: bool = True,
+                            details: bool = False):
+    """``?redacted=0`` and ``?details=1`` are for ops_diagnostics (403 otherwise) and audited."""
+    user = require_ops(request)
+    session = sel.get_or_404(sel.sessions_qs(), session_id)
+    troubleshooting.export_options(user, redacted=redacted, details=details)
+    record = troubleshooting.session_record(session, redacted=redacted, include_details=details)
+    return troubleshooting.export_response(user=user, record=record, target=f"session:{session.pk}",
+                                           filename=f"session-{session.pk}", fmt=format,
+                                           markdown=troubleshooting.session_markdown)
 
 
 @router.get("/turns/{turn_id}", response={200: TurnOut, **ERRORS},
