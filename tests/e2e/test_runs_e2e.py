@@ -120,6 +120,15 @@ def test_killing_the_daemon_mid_attempt_makes_attempt_2_which_succeeds(bridge):
     assert second.state == "succeeded" and second.task_id == first.task_id
     assert second.session_id == first.session_id  # same task, same connection: the same session
     assert AgentTask.objects.filter(node__run=run).count() == 1
+    # The troubleshooting record names both attempts with their session and connection.
+    status, record = api.call("GET", f"/runs/{run.pk}/troubleshooting")
+    assert status == 200, record
+    listed = {a["id"]: a for node in record["nodes"] for task in node["tasks"] for a in task["attempts"]}
+    assert set(listed) == {str(first.pk), str(second.pk)}
+    for attempt in (first, second):
+        row = listed[str(attempt.pk)]
+        assert row["session"]["id"] == str(attempt.session_id)
+        assert row["connection"]["id"] == str(attempt.connection_id)
 
 
 def test_a_declared_run_with_a_tolerated_failure_is_partial_succeeded(bridge, ops_admin_user):
