@@ -333,6 +333,9 @@ class Daemon:
 
     def start_turn(self, command: dict) -> None:
         request = TurnRequest.from_command(command)
+        if request.env.get("CHORUS_TASK_TOKEN"):
+            # The agent talks back to the portal this daemon knows (SPEC §5 "Agents talk back").
+            request.env.setdefault("CHORUS_API_URL", self.config.api_url(""))
         if request.turn in self.runners or request.turn in self.finished or request.turn in self.recovering:
             log.info("turn %s is already known here; start ignored", request.turn)
             return
@@ -359,8 +362,10 @@ class Daemon:
         if turn in self.recovering:
             return  # being stopped already; its report follows
         if runner is None:
-            if turn and turn not in self.finished:
-                # Not ours to stop (§4.1): nothing runs here for it, so it is stopped; say so at once.
+            if turn:
+                # Nothing runs here for it (never ours, or its agent already exited, e.g. while waiting
+                # for an answer): it is stopped, say so at once (§4.1).  A turn that already ended is
+                # refused by the portal, which changes nothing.
                 self.reporter.advance(turn, p.AdvanceReport(report_id=p.new_report_id(), status=p.INTERRUPTED,
                                                             reason="user", stop_state=p.STOP_CONFIRMED).as_dict())
             return

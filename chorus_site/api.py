@@ -167,6 +167,7 @@ def filter_or_400(filterset_class, params, queryset):
 
 
 def register_routers():
+    from executions import agent_api  # noqa: F401  (adds the agents' routes to the executions router)
     from executions.api import router as executions_router
     from sessions_app import actions_api  # noqa: F401  (adds the acting routes to the sessions router)
     from sessions_app.api import router as sessions_router

@@ -42,6 +42,9 @@ ACTION_PERMISSIONS = {
     },
 }
 
+# Not operator actions: raw diagnostics have their own role; draining is for ops_admin (§7).
+ADMIN_ONLY_ACTIONS = {"view_diagnostics", "drain_connection"}
+
 _OPERATOR_EXTRA = [("executions", "add_issue"), ("executions", "change_issue"), ("executions", "add_comment"),
                    ("executions", "add_artifact")]
 
@@ -55,8 +58,9 @@ def _role_permissions(Permission, ContentType) -> dict[str, set]:
     actions = set()
     for app_label, models in ACTION_PERMISSIONS.items():
         for _model, perms in models.items():
-            actions |= set(Permission.objects.filter(content_type__app_label=app_label,
-                                                     codename__in=[c for c, _ in perms if c != "view_diagnostics"]))
+            actions |= set(Permission.objects.filter(
+                content_type__app_label=app_label,
+                codename__in=[c for c, _ in perms if c not in ADMIN_ONLY_ACTIONS]))
     extra = {Permission.objects.get(content_type__app_label=a, codename=c) for a, c in _OPERATOR_EXTRA}
     diagnostics = set(Permission.objects.filter(content_type__app_label="sessions_app", codename="view_diagnostics"))
     everything = set(Permission.objects.filter(content_type__in=ops_types))

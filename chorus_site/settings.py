@@ -224,7 +224,9 @@ if REDIS_URL:
     CHANNEL_LAYERS = {
         "default": {
             "BACKEND": "channels_redis.core.RedisChannelLayer",
-            "CONFIG": {"hosts": [REDIS_URL], "capacity": 1000, "expiry": 30},
+            # redis-py 8 defaults to a 5 s socket timeout, shorter than the layer's blocking reads:
+            # without this, idle WebSockets are dropped every few seconds.
+            "CONFIG": {"hosts": [{"address": REDIS_URL, "socket_timeout": None}], "capacity": 1000, "expiry": 30},
         }
     }
 else:

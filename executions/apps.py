@@ -14,6 +14,13 @@ class ExecutionsConfig(AppConfig):
 
         on_turn_status(engine_on_turn_status)
 
+        # Attempt turns carry their ids and a task token, so the agent can talk back.
+        from sessions_app.listeners import on_turn_env
+
+        from .task_tokens import attempt_env
+
+        on_turn_env(attempt_env)
+
         # The session troubleshooting record names the runs and issues its turns worked for.
         from sessions_app.troubleshooting import on_session_record
 

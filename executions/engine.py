@@ -42,10 +42,11 @@ _TEMPLATE = re.compile(r"\{\{\s*(input|issue)\.([A-Za-z_][A-Za-z0-9_]*)\s*\}\}")
 # ---------------------------------------------------------------- start
 def run_start(*, issue_id, mode: str, input: dict | None = None, workflow_revision_id=None, target: dict | None = None,
               policy: dict | None = None, actor=None, rerun_of=None, trigger: str = "manual",
-              client: str = "api", idempotency_key: str | None = None) -> Run:
-    if mode not in {"direct", "declared"}:
-        raise ApplicationError("bad_request", f"mode {mode!r} is not available yet (direct, declared)",
-                               {"allowed": ["direct", "declared"]})
+              client: str = "api", idempotency_key: str | None = None, parent_node=None) -> Run:
+    if mode not in states.RUN_MODES:
+        raise ApplicationError("bad_request", f"unknown mode {mode!r}", {"allowed": states.RUN_MODES})
+    if mode == "subrun" and parent_node is None:
+        raise ApplicationError("bad_request", "subrun runs are started by a parent's subrun node")
     issue = Issue.objects.filter(pk=issue_id).first()
     if issue is None:
         raise ApplicationError("bad_request", "unknown issue", {"issue": str(issue_id)})
@@ -53,23 +54,27 @@ def run_start(*, issue_id, mode: str, input: dict | None = None, workflow_revisi
         raise ApplicationError("invalid_transition", f"the issue is {issue.status}; reopen it first")
     input = dict(input or {})
     revision = None
-    if mode == "declared":
-        revision = WorkflowRevision.objects.filter(pk=workflow_revision_id).first() if workflow_revision_id else None
+    if mode in {"declared", "subrun"}:
+        revision = (WorkflowRevision.objects.filter(pk=workflow_revision_id).first()
+                    if workflow_revision_id and _is_uuid(workflow_revision_id) else None)
         if revision is None:
-            raise ApplicationError("bad_request", "a declared run needs an existing workflow_revision")
+            raise ApplicationError("bad_request", f"a {mode} run needs an existing workflow_revision")
     elif not str(input.get("prompt", "")).strip():
-        raise ApplicationError("bad_request", "a direct run needs input.prompt")
+        raise ApplicationError("bad_request", f"a {mode} run needs input.prompt")
     target = _validate_target(target or {})
     policy = {**DEFAULT_POLICY, **(policy or {})}
     if not isinstance(policy["infra_retries"], int) or not 0 <= policy["infra_retries"] <= 10:
         raise ApplicationError("bad_request", "policy.infra_retries must be an integer from 0 to 10")
     with transaction.atomic():
         run = Run.objects.create(issue=issue, mode=mode, workflow_revision=revision, input=input, target=target,
-                                 policy=policy, rerun_of=rerun_of, trigger=trigger,
+                                 policy=policy, rerun_of=rerun_of, trigger=trigger, parent_node=parent_node,
+                                 parent_run_id=parent_node.run_id if parent_node else None,
                                  idempotency_key=idempotency_key or "",
                                  created_by=actor if getattr(actor, "pk", None) else None)
-        specs = revision.spec["nodes"] if revision else [{"key": "main", "type": "agent", "depends_on": [],
-                                                          "prompt": input["prompt"], "retry": {"max_task_retries": 0}}]
+        first_key = "lead" if mode == "adaptive" else "main"
+        specs = revision.spec["nodes"] if revision else [{"key": first_key, "type": "agent", "depends_on": [],
+                                                          "prompt": input["prompt"], "retry": {"max_task_retries": 0},
+                                                          "leader": mode == "adaptive"}]
         for spec in specs:
             RunNode.objects.create(run=run, key=spec["key"], type=spec.get("type", "agent"),
                                    depends_on=spec.get("depends_on", []), config=spec)
@@ -189,7 +194,13 @@ def _node_wait(run: Run, node: RunNode, now) -> tuple[str, dict]:
     if node.type == "timer":
         until = now + timedelta(seconds=float(node.config.get("seconds", 60)))
         return "timer", {"until": until.isoformat(), "unblock": "it continues by itself at that time"}
-    return "dependency", {"unblock": "subrun nodes are not executed by this version"}
+    try:
+        child = run_start(issue_id=run.issue_id, mode="subrun", workflow_revision_id=node.config.get("revision"),
+                          input=node.config.get("input") or run.input, target=run.target, policy=run.policy,
+                          trigger="subrun", parent_node=node)
+    except ApplicationError as refused:
+        return "blocked", {"error": refused.message, "unblock": "fix the subrun's workflow revision and rerun"}
+    return "dependency", {"run": str(child.pk), "unblock": "it continues when the child run finishes"}
 
 
 # ---------------------------------------------------------------- dispatch
@@ -201,7 +212,8 @@ def _dispatch_node(run: Run, node: RunNode) -> dict | None:
         if node.state == "waiting" or (latest is not None and latest.status == "cancelled"):
             return None  # an operator cancelled it: only a task retry (or a rerun) goes on
         task = AgentTask.objects.create(node=node, ordinal=(node.tasks.count() + 1),
-                                        retry_of=node.tasks.order_by("-ordinal").first())
+                                        retry_of=node.tasks.order_by("-ordinal").first(),
+                                        leader=bool(node.config.get("leader")))
         event_append(stream=run.stream, kind="task.created",
                      data={"id": str(task.pk), "node": str(node.pk), "ordinal": task.ordinal,
                            "retry_of": str(task.retry_of_id) if task.retry_of_id else None})
@@ -219,8 +231,11 @@ def _dispatch_node(run: Run, node: RunNode) -> dict | None:
     session = _task_session(run, task, connection)
     services.attempt_set_state(attempt_id=attempt.pk, state="assigned", session=session, cwd=session.cwd,
                                provider_session_id=session.backend_session_id or "")
-    answer = session_actions.turn_enqueue(session_id=session.pk, trigger="task_assigned",
-                                          prompt=node_prompt(run, node), attempt_id=attempt.pk)
+    prompt = node_prompt(run, node)
+    if (task.result or {}).get("fallback"):
+        prompt = fresh_context(run) + "\n\n" + prompt
+    answer = session_actions.turn_enqueue(session_id=session.pk, trigger="task_assigned", prompt=prompt,
+                                          attempt_id=attempt.pk)
     services.attempt_set_state(attempt_id=attempt.pk, state="preparing", turn_id=answer["turn"])
     AgentTask.objects.filter(pk=task.pk).update(current_attempt=attempt, session=session)
     if task.status == "queued":
@@ -249,15 +264,21 @@ def _choose_connection(run: Run, node: RunNode, task: AgentTask):
     bound = task.attempts.exclude(connection=None).order_by("-number").first()
     wanted = run.target.get("connection") or (bound.connection_id if bound else None)
     backend = node.config.get("backend") or run.target.get("backend")
+    backends = [backend] if backend else []
+    if (task.result or {}).get("fallback"):
+        # Fresh fallback: any live connection of a fallback backend, never the one that failed.
+        wanted, backends = None, list(run.policy.get("fallback_backends") or [])
     candidates = Connection.objects.filter(pk=wanted) if wanted else Connection.objects.exclude(status="draining")
-    if backend and not wanted:
-        candidates = candidates.filter(backend=backend)
+    if (task.result or {}).get("fallback") and bound:
+        candidates = candidates.exclude(pk=bound.connection_id)
+    if backends and not wanted:
+        candidates = candidates.filter(backend__in=backends)
     live = [c for c in candidates if session_selectors.connection_is_live(c)]
     if not live:
         if wanted:
             return None, {"reason": "host_offline", "detail": {"connection": str(wanted),
                                                                 "unblock": "restore the connection's daemon"}}
-        return None, {"reason": "no_worker", "detail": {"backend": backend or "any",
+        return None, {"reason": "no_worker", "detail": {"backend": ", ".join(backends) or "any",
                                                          "unblock": "start a daemon for this backend"}}
     for connection in live:
         busy = Turn.objects.filter(session__connection=connection, status__in=["running", "requires_action"]).count()
@@ -270,10 +291,12 @@ def _choose_connection(run: Run, node: RunNode, task: AgentTask):
 def _task_session(run: Run, task: AgentTask, connection: Connection) -> Session:
     """Each task has its own session (idea key ``task:<id>``); a later attempt on the same
     connection resumes it, on another connection it moves (§6.2)."""
-    session = Session.objects.filter(idea_key=f"task:{task.pk}", status="active").first()
-    cwd = run.target.get("cwd") or connection.cwds[0]
+    fresh = bool((task.result or {}).get("fallback"))
+    idea_key = f"task:{task.pk}:fresh" if fresh else f"task:{task.pk}"
+    session = Session.objects.filter(idea_key=idea_key, status="active").first()
+    cwd = (run.target.get("cwd") if not fresh else None) or connection.cwds[0]
     if session is None:
-        return session_services.session_create(connection=connection, cwd=cwd, idea_key=f"task:{task.pk}",
+        return session_services.session_create(connection=connection, cwd=cwd, idea_key=idea_key,
                                                title=f"{run.issue.title} · {task.node.key}")
     if session.connection_id != connection.pk:
         Session.objects.filter(pk=session.pk).update(connection=connection, cwd=cwd, backend=connection.backend)
@@ -295,6 +318,22 @@ def node_prompt(run: Run, node: RunNode) -> str:
     return "\n\n".join(p for p in parts if p)
 
 
+def fresh_context(run: Run) -> str:
+    """A fresh session's first prompt is rebuilt from the issue, its comments and its artifacts —
+    never from process memory (§6.4)."""
+    issue = run.issue
+    lines = ["You continue work another agent could not finish (its machine is unavailable). Start from what "
+             "is recorded below, not from memory."]
+    comments = list(issue.comments.order_by("id")[:30])
+    if comments:
+        lines.append("Comments on the issue:")
+        lines += [f"- [{c.type}] {c.author}: {c.body[:500]}" for c in comments]
+    artifacts = list(issue.artifacts.order_by("id")[:30])
+    if artifacts:
+        lines.append("Artifacts: " + ", ".join(f"{a.name} ({a.kind}, sha256 {a.sha256[:12]})" for a in artifacts))
+    return "\n".join(lines)
+
+
 # ---------------------------------------------------------------- converge
 def _converge_attempts(run: Run) -> None:
     attempts = (Attempt.objects.filter(task__node__run=run).exclude(state__in=states.ATTEMPT_TERMINAL)
@@ -312,7 +351,7 @@ def _converge_attempts(run: Run) -> None:
 
 
 def _attempt_finished(run: Run, attempt: Attempt, turn: Turn) -> None:
-    outcome = turn_outcome(turn)
+    outcome = {k: v for k, v in (attempt.outcome or {}).items() if v} or turn_outcome(turn)
     task, node = attempt.task, attempt.task.node
     if attempt.state == "preparing":  # the turn ran and ended between two ticks
         services.attempt_set_state(attempt_id=attempt.pk, state="running")
@@ -340,6 +379,13 @@ def _attempt_finished(run: Run, attempt: Attempt, turn: Turn) -> None:
                                failure_message=message, usage=turn.usage or {})
     if infra and attempt.number <= run.policy.get("infra_retries", 2):
         return  # the next tick makes attempt n+1 of the same task
+    if infra and run.policy.get("fresh_fallback") and not (task.result or {}).get("fallback"):
+        # §6.4: the original connection's retries are spent; the next attempt starts fresh elsewhere.
+        AgentTask.objects.filter(pk=task.pk).update(result={**(task.result or {}), "fallback": True})
+        event_append(stream=run.stream, kind="task.fallback",
+                     data={"id": str(task.pk), "after_attempt": attempt.number,
+                           "backends": run.policy.get("fallback_backends") or []})
+        return
     services.task_set_status(task_id=task.pk, status="failed", error=message)
     _node_failed_or_retry(node, task, message)
 
@@ -413,6 +459,15 @@ def _complete(run: Run, nodes: list[RunNode]) -> str:
         updates = {"failure_code": "node_failed",
                    "failure_message": "; ".join(f"{n.key}: {n.failure_message}" for n in failed)[:2000]}
     services.run_set_state(run_id=run.pk, state=state, **updates)
+    if run.parent_node_id:
+        # A subrun finishes its parent's node with its own result (§6.1).
+        parent = RunNode.objects.get(pk=run.parent_node_id)
+        if parent.state == "waiting":
+            ok = state in {"succeeded", "partial_succeeded"}
+            services.node_set_state(node_id=parent.pk, state="succeeded" if ok else "failed",
+                                    failure_message="" if ok else f"child run {run.pk} {state}")
+            schedule_tick(parent.run_id)
+        return state  # the parent run reports to the issue
     issue = Issue.objects.get(pk=run.issue_id)
     if state in {"succeeded", "partial_succeeded"} and issue.status == "in_progress":
         target = "done" if issue.completion_policy == "automatic" and state == "succeeded" else "in_review"
@@ -441,6 +496,32 @@ def runs_needing_a_tick() -> list[str]:
     ids |= set(RunNode.objects.filter(run__state__in=["running", "waiting"], state="waiting", type="timer")
                .values_list("run_id", flat=True))
     return [str(i) for i in ids]
+
+
+def run_add_members(*, run_id, lead_task: AgentTask, nodes: list[dict]) -> dict:
+    """Adaptive runs: the lead's agent adds member nodes; the run completes when all have (§6.1)."""
+    with transaction.atomic():
+        run = Run.objects.select_for_update().get(pk=run_id)
+        if run.mode != "adaptive" or run.state in states.RUN_TERMINAL or run.state == "cancelling":
+            raise ApplicationError("invalid_transition", f"members can be added to a live adaptive run only "
+                                                         f"(this one is {run.mode}, {run.state})")
+        if not nodes or len(nodes) > 20:
+            raise ApplicationError("bad_request", "add 1 to 20 members at a time")
+        added = []
+        for item in nodes:
+            key = str(item.get("key") or "").strip()
+            if not key or len(key) > 90 or not str(item.get("prompt") or "").strip():
+                raise ApplicationError("bad_request", "each member needs a key (≤ 90 characters) and a prompt")
+            if RunNode.objects.filter(run=run, key=f"member:{key}").exists():
+                raise ApplicationError("conflict", f"member {key!r} exists already", {"key": key})
+            node = RunNode.objects.create(run=run, key=f"member:{key}", type="agent", depends_on=[],
+                                          config={"prompt": item["prompt"], "member_of": lead_task.node.key,
+                                                  "retry": {"max_task_retries": 0}})
+            event_append(stream=run.stream, kind="node.added",
+                         data={"id": str(node.pk), "key": node.key, "added_by": str(lead_task.pk)})
+            added.append(node.key)
+        schedule_tick(run.pk)
+    return {"added": added}
 
 
 # ---------------------------------------------------------------- listener

@@ -23,6 +23,7 @@ from chorus_site.scheduling import run_later
 
 from . import selectors, services, states
 from .bridge import command_send
+from .listeners import turn_env
 from .models import Connection, ControlCommand, Session, Turn
 
 STOP_CONFIRM_MARGIN_S = 5
@@ -57,7 +58,8 @@ def _start_command_of(turn_id) -> ControlCommand | None:
 def _turn_payload(turn: Turn, session: Session) -> dict:
     return {
         "session": str(session.pk), "cwd": session.cwd, "prompt": turn.prompt, "backend": session.backend,
-        "backend_session_id": session.backend_session_id, "trigger": turn.trigger, "env": {}, "timeout_s": None,
+        "backend_session_id": session.backend_session_id, "trigger": turn.trigger, "env": turn_env(turn),
+        "timeout_s": None,
     }
 
 
@@ -100,7 +102,10 @@ def turn_enqueue(*, session_id, trigger: str, prompt: str, actor=None, attempt_i
 
 def _queue_turn(session: Session, *, trigger: str, prompt: str, actor, attempt_id=None) -> dict:
     turn = services.turn_create(session=session, trigger=trigger, prompt=prompt, actor=actor, attempt_id=attempt_id)
-    busy = Turn.objects.filter(session=session, status__in=[states.RUNNING, states.REQUIRES_ACTION]).exists()
+    services.transcript_append(session_id=session.pk, role="user", text=prompt, turn_id=turn.pk)
+    # Busy: a turn runs, or an earlier one is already waiting its turn.
+    busy = (Turn.objects.filter(session=session, status__in=[states.RUNNING, states.REQUIRES_ACTION]).exists()
+            or Turn.objects.filter(session=session, status=states.PENDING, seq__lt=turn.seq).exists())
     if busy:
         event_append(stream=session.stream, kind="turn.waiting", actor=actor_name(actor),
                      data={"id": str(turn.pk), "wait_reason": "directory_busy",

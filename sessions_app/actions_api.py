@@ -155,7 +155,7 @@ def turn_answer_actions(user, turn_id, answers, reason, key) -> dict:
                      client="api", reason=reason, idempotency_key=key)
         all_answered = all(item.get("answered") for item in items)
         answer = {"changed": True, "all_answered": all_answered}
-        if all_answered and turn.status not in {states.RUNNING, states.REQUIRES_ACTION}:
+        if all_answered and turn.status != states.RUNNING:
             text = "\n".join(f"{item.get('text')}: {item.get('answer')}" for item in items)
             answer.update(actions.session_resume(actor=user, session_id=turn.session_id, context=text, reason=reason))
     return answer
@@ -164,6 +164,8 @@ def turn_answer_actions(user, turn_id, answers, reason, key) -> dict:
 @router.post("/connections", response={201: dict, **ERRORS}, summary="Register a connection (key shown once)")
 def connection_register(request, body: ConnectionIn):
     def register(user, key):
+        if Connection.objects.filter(name=body.name).exists():
+            raise ApplicationError("conflict", f"a connection named {body.name!r} exists")
         connection, secret = services.connection_register(
             name=body.name, backend=body.backend, cwds=body.cwds, host=body.host,
             max_concurrency=body.max_concurrency, sigint_timeout_s=body.sigint_timeout_s,
@@ -172,8 +174,6 @@ def connection_register(request, body: ConnectionIn):
                      outcome="registered", client="api", idempotency_key=key)
         return {"id": str(connection.pk), "name": connection.name, "key": secret}
 
-    if Connection.objects.filter(name=body.name).exists():
-        raise ApplicationError("conflict", f"a connection named {body.name!r} exists")
     return act(request, perm="sessions_app.add_connection", route="connections.register", body=body.dict(),
                status=201, action=register)
 

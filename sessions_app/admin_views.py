@@ -12,6 +12,7 @@ from django.http import HttpResponseRedirect
 from django.template.response import TemplateResponse
 from django.urls import reverse
 
+from chorus_site.audit import audit_record
 from chorus_site.errors import ApplicationError
 
 from . import actions, selectors
@@ -97,6 +98,8 @@ def turn_mark_interrupted_view(admin, request, object_id):
             answer = actions.turn_mark_interrupted(actor=request.user, turn_id=turn.pk, evidence=evidence,
                                                    client="admin", reason=reason)
         except ApplicationError as error:
+            audit_record(actor=request.user, action="turn.mark_interrupted", target=f"turn:{turn.pk}",
+                         outcome=f"refused: {error.code}", client="admin", reason=reason)
             if error.code == "process_alive":
                 messages.error(request, "The daemon still holds a live process for this turn, so it is not stuck. "
                                         "Use Interrupt to stop it.")

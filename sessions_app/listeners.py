@@ -22,6 +22,22 @@ def on_turn_status(listener: Callable[[str, str, str], None]) -> None:
         _turn_status_listeners.append(listener)
 
 
+_turn_env_providers: list[Callable] = []
+
+
+def on_turn_env(provider: Callable) -> None:
+    """Register ``provider(turn) -> dict``: extra environment for the agent process of a turn."""
+    if provider not in _turn_env_providers:
+        _turn_env_providers.append(provider)
+
+
+def turn_env(turn) -> dict:
+    env: dict = {}
+    for provider in _turn_env_providers:
+        env.update(provider(turn) or {})
+    return env
+
+
 def turn_status_changed(*, turn_id, attempt_id, status: str) -> None:
     if attempt_id is None or not _turn_status_listeners:
         return

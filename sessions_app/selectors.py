@@ -145,7 +145,9 @@ def resume_preflight(session: Session) -> dict:
     online = connection_is_live(session.connection, now)
     refusal = None
     resumable_reasons = {states.REASON_USER, states.REASON_CRASH, states.REASON_TIMEOUT, states.REASON_SHUTDOWN}
-    if last is None:
+    if session.status != states.SESSION_ACTIVE:
+        refusal = "the session has ended (it was handed off); continue in the new session"
+    elif last is None:
         refusal = "the session has no turn to resume"
     elif last.status == states.REQUIRES_ACTION:
         items = (last.requires_action or {}).get("items") or []

@@ -69,3 +69,19 @@ def test_outsider_sees_no_ops_sections(portal_server, browser, outsider):
     assert "Sessions" not in content and "Executions" not in content
     response = page.goto(f"{portal_server}/admin/sessions_app/session/")
     assert response.status == 403
+
+
+def test_operator_sends_a_message_from_the_session_page(portal_server, browser, operator):
+    from django.utils import timezone
+
+    from sessions_app.models import Connection, Turn
+
+    session = factories.make_session()
+    Connection.objects.filter(pk=session.connection_id).update(status="online", last_heartbeat_at=timezone.now())
+    page = browser.new_page()
+    admin_login(page, portal_server, operator)
+    page.goto(f"{portal_server}/admin/sessions_app/session/{session.pk}/change/")
+    page.fill("#id_prompt", "please add tests")
+    page.click("#chorus-send")
+    expect(page.locator(".messagelist")).to_contain_text("Sent to the daemon")
+    assert Turn.objects.filter(session=session, prompt="please add tests").count() == 1

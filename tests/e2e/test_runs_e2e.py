@@ -148,3 +148,42 @@ def test_a_declared_run_with_a_tolerated_failure_is_partial_succeeded(bridge, op
     run = wait_run(body["run"], {"succeeded", "partial_succeeded", "failed"}, timeout=90)
     assert run.state == "partial_succeeded"
     assert Issue.objects.get(pk=issue["id"]).status == "in_review"
+
+
+def test_adaptive_lead_adds_members_through_its_task_token(bridge):
+    api = bridge["api"]
+    issue = create_issue(api)
+    lead_prompt = ("@member docs @outcome succeeded\n@member tests @outcome succeeded\n"
+                   "@outcome succeeded\n@reply team assembled")
+    status, body = api.call("POST", "/runs", {"issue": issue["id"], "mode": "adaptive",
+                                              "input": {"prompt": lead_prompt}})
+    assert status == 201, body
+    run = wait_run(body["run"], {"succeeded", "failed"}, timeout=90)
+    assert run.state == "succeeded"
+    keys = sorted(run.nodes.values_list("key", flat=True))
+    assert keys == ["lead", "member:docs", "member:tests"]
+    assert AgentTask.objects.get(node__run=run, node__key="lead").leader is True
+    assert all(n.state == "succeeded" for n in run.nodes.all())
+
+
+def test_subrun_node_finishes_with_the_child_runs_result(bridge, ops_admin_user):
+    from chorus_site.tokens import token_create
+    from tests.e2e.conftest import Api
+
+    _t, raw = token_create(user=ops_admin_user, name="admin")
+    admin_api = Api(bridge["portal"], raw)
+    status, child = admin_api.call("POST", "/workflows", {"name": "child", "spec": {"nodes": [
+        {"key": "inner", "type": "agent", "prompt": "@outcome succeeded\n@reply inner done"}]}})
+    assert status == 201, child
+    status, parent = admin_api.call("POST", "/workflows", {"name": "parent", "spec": {"nodes": [
+        {"key": "sub", "type": "subrun", "revision": child["revision"]},
+        {"key": "after", "type": "agent", "depends_on": ["sub"], "prompt": "@outcome succeeded"}]}})
+    assert status == 201, parent
+    issue = create_issue(bridge["api"])
+    status, body = bridge["api"].call("POST", "/runs", {"issue": issue["id"], "mode": "declared",
+                                                        "workflow_revision": parent["revision"]})
+    run = wait_run(body["run"], {"succeeded", "failed"}, timeout=90)
+    assert run.state == "succeeded"
+    child_run = Run.objects.get(parent_run=run)
+    assert child_run.mode == "subrun" and child_run.state == "succeeded"
+    assert child_run.parent_node.key == "sub"

@@ -110,7 +110,7 @@ def test_daemon_reports_a_turn_to_its_end_once(operator, connection):
     session.refresh_from_db()
     assert turn.status == "ended" and turn.final_reply == "done" and turn.changes["status"] == [" M a.py"]
     assert session.backend_session_id == "bs-1" and session.tokens_input == 10
-    assert [m.text for m in session.transcript.all()] == ["done"]
+    assert [(m.role, m.text) for m in session.transcript.all()] == [("user", "@reply hi"), ("assistant", "done")]
 
 
 def test_daemon_cannot_report_on_another_connections_turn_nor_offline(operator, connection):
@@ -308,9 +308,9 @@ def test_answering_a_requires_action_turn_then_resuming_dispatches(operator, con
     assert again.status_code == 200  # a repeated wait adds data, it is not refused
     assert Turn.objects.get(pk=turn.pk).usage == {"input": 3, "output": 1}
     answered = post(api(operator), f"/api/v1/turns/{turn.pk}/actions", {"answers": [{"id": "q1", "answer": "yes"}]})
-    assert answered.json()["all_answered"] is True
-    resumed = post(api(operator), f"/api/v1/sessions/{turn.session_id}/resume", {"context": "Deploy?: yes"}).json()
-    assert resumed["queued"] is False
+    resumed = answered.json()
+    assert resumed["all_answered"] is True and resumed["queued"] is False  # the answers resume it at once
+    assert "Deploy?: yes" in Turn.objects.get(pk=resumed["turn"]).prompt
     assert Turn.objects.get(pk=turn.pk).status == "ended"
     assert ControlCommand.objects.get(turn_id=resumed["turn"]).action == "resume"
 

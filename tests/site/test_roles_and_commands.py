@@ -10,13 +10,13 @@ from django.core.management.base import CommandError
 from django.test import Client
 
 from chorus_site.models import ApiToken
-from chorus_site.permissions import ACTION_PERMISSIONS
+from chorus_site.permissions import ACTION_PERMISSIONS, ADMIN_ONLY_ACTIONS
 from tests import factories
 
 pytestmark = pytest.mark.django_db
 
 ACTIONS = [f"{app}.{code}" for app, models in ACTION_PERMISSIONS.items() for perms in models.values()
-           for code, _ in perms if code != "view_diagnostics"]
+           for code, _ in perms if code not in ADMIN_ONLY_ACTIONS]
 
 
 def test_viewer_sees_but_may_do_nothing(viewer):
@@ -29,6 +29,7 @@ def test_operator_may_do_every_action_but_read_no_raw_diagnostics(operator):
     assert all(operator.has_perm(p) for p in ACTIONS)
     assert not operator.has_perm("sessions_app.view_diagnostics")
     assert not operator.has_perm("sessions_app.add_connection")
+    assert not operator.has_perm("sessions_app.drain_connection")  # ops_admin only (§7)
 
 
 def test_diagnostics_reader_reads_details_and_nothing_more(diagnostics_reader):
@@ -37,7 +38,7 @@ def test_diagnostics_reader_reads_details_and_nothing_more(diagnostics_reader):
 
 
 def test_ops_admin_manages_connections_workflows_tokens_and_roles(ops_admin_user):
-    for perm in ["sessions_app.add_connection", "executions.add_workflowdefinition", "chorus_site.add_apitoken",
+    for perm in ["sessions_app.add_connection", "sessions_app.drain_connection", "executions.add_workflowdefinition", "chorus_site.add_apitoken",
                  "auth.change_group", "sessions_app.view_diagnostics", *ACTIONS]:
         assert ops_admin_user.has_perm(perm), perm
 

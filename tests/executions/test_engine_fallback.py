@@ -1,0 +1,68 @@
+"""Fresh fallback (SPEC §6.4) and binding: with the policy, the next attempt after the original
+connection's retries starts a fresh session elsewhere, its prompt rebuilt from the issue record;
+without it, the attempt stays bound and the run waits host_offline."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+from django.utils import timezone
+
+from executions import engine, services
+from executions.models import Attempt, Run
+from sessions_app import bridge
+from sessions_app.models import Connection
+from tests import factories
+
+pytestmark = pytest.mark.django_db
+
+
+def live(connection):
+    Connection.objects.filter(pk=connection.pk).update(status="online", last_heartbeat_at=timezone.now())
+    return Connection.objects.get(pk=connection.pk)
+
+
+def lose(run, connection):
+    """The attempt's turn runs, then its machine goes away."""
+    attempt = Attempt.objects.filter(task__node__run=run).order_by("-created_at").first()
+    for body in ({"status": "running"}, {"status": "interrupted", "reason": "shutdown"}):
+        bridge._apply_advance(connection, attempt.turn_id, {"report_id": str(uuid.uuid4()), **body})
+    Connection.objects.filter(pk=connection.pk).update(status="offline")
+    engine.run_tick_apply(run_id=run.pk)
+    return attempt
+
+
+def test_fresh_fallback_moves_to_another_connection_with_a_rebuilt_prompt():
+    original = live(factories.make_connection(cwds=["/srv/a"]))
+    fallback = factories.make_connection(cwds=["/srv/b"])
+    issue = factories.make_issue(title="Fix login")
+    services.comment_add(issue_id=issue.pk, body="The bug is in auth.py line 40", author="alice")
+    run = engine.run_start(issue_id=issue.pk, mode="direct", input={"prompt": "@outcome succeeded"},
+                           target={"connection": str(original.pk)},
+                           policy={"infra_retries": 0, "fresh_fallback": True, "fallback_backends": ["scripted"]})
+    engine.run_tick_apply(run_id=run.pk)
+    first = lose(run, original)
+    live(fallback)
+    engine.run_tick_apply(run_id=run.pk)
+    second = Attempt.objects.filter(task__node__run=run).order_by("-created_at").first()
+    assert second.pk != first.pk and second.task_id == first.task_id
+    assert second.connection_id == fallback.pk and second.session_id != first.session_id
+    assert second.session.idea_key.endswith(":fresh")
+    assert "The bug is in auth.py line 40" in second.turn.prompt  # rebuilt from the issue's record
+
+
+def test_without_fallback_the_attempt_stays_bound_and_the_run_waits_host_offline():
+    original = live(factories.make_connection(cwds=["/srv/a"]))
+    other = live(factories.make_connection(cwds=["/srv/b"]))
+    issue = factories.make_issue()
+    run = engine.run_start(issue_id=issue.pk, mode="direct", input={"prompt": "@outcome succeeded"},
+                           policy={"infra_retries": 2})
+    engine.run_tick_apply(run_id=run.pk)
+    bound = Attempt.objects.get(task__node__run=run).connection
+    lose(run, bound)
+    live(other if bound.pk == original.pk else original)
+    engine.run_tick_apply(run_id=run.pk)
+    run = Run.objects.get(pk=run.pk)
+    assert (run.state, run.wait_reason) == ("waiting", "host_offline")
+    assert Attempt.objects.filter(task__node__run=run).count() == 1
