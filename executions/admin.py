@@ -6,7 +6,7 @@ from django.utils.html import format_html
 
 from chorus_site.admin_base import OpsAdmin, live_badge
 
-from . import admin_views, selectors, troubleshooting
+from . import admin_views, selectors, states, troubleshooting
 from .models import AgentTask, Approval, Artifact, Attempt, Comment, Issue, Run, RunNode, WorkflowDefinition, WorkflowRevision
 
 
@@ -48,11 +48,14 @@ class IssueAdmin(OpsAdmin):
         return [] if obj is None else ["status", "version", "created_at", "updated_at"]
 
     change_form_template = "admin/executions/issue/change_form.html"
+    change_list_template = "admin/executions/issue/change_list.html"
 
     def get_urls(self):
         view = self.admin_site.admin_view(lambda request, object_id: admin_views.issue_start_run_view(
             self, request, object_id))
-        return [path("<path:object_id>/start-run/", view, name="executions_issue_start_run")] + super().get_urls()
+        inbox = self.admin_site.admin_view(lambda request: admin_views.inbox_view(self, request))
+        return [path("inbox/", inbox, name="executions_issue_inbox"),
+                path("<path:object_id>/start-run/", view, name="executions_issue_start_run")] + super().get_urls()
 
     def extra_detail_context(self, request, obj):
         return {"can_start_run": request.user.has_perm("executions.start_run"),
@@ -140,8 +143,16 @@ class RunAdmin(OpsAdmin):
             return self.admin_site.admin_view(lambda request, object_id: troubleshooting.admin_download_view(
                 self, request, object_id, fmt))
 
-        return [path(f"<path:object_id>/{name}/", bind(name), name=f"executions_run_{name}")
-                for name in admin_views.RUN_ACTIONS] + [
+        task_view = self.admin_site.admin_view(lambda request, object_id, task_id, name:
+                                               admin_views.task_action_view(self, request, object_id, task_id, name))
+        signal_view = self.admin_site.admin_view(lambda request, object_id: admin_views.run_signal_view(
+            self, request, object_id))
+        # Task routes first: "<run>/tasks/<task>/cancel/" would otherwise match the run's own "cancel".
+        return [
+            path("<path:object_id>/tasks/<uuid:task_id>/<str:name>/", task_view, name="executions_run_task_action"),
+            path("<path:object_id>/signal/", signal_view, name="executions_run_signal")] + [
+            path(f"<path:object_id>/{name}/", bind(name), name=f"executions_run_{name}")
+            for name in admin_views.RUN_ACTIONS] + [
             path(f"<path:object_id>/troubleshooting.{fmt}", record(fmt), name=f"executions_run_troubleshooting_{fmt}")
             for fmt in ("md", "json")] + super().get_urls()
 
@@ -151,7 +162,10 @@ class RunAdmin(OpsAdmin):
                    "cancel": obj.state not in {"cancelling", "cancelled", "succeeded", "partial_succeeded", "failed"},
                    "rerun": obj.state in {"cancelled", "succeeded", "partial_succeeded", "failed"}}
         return {"graph": selectors.run_graph(obj), "state_badge": live_badge(obj, "state"),
-                "reruns": list(obj.reruns.all()[:20]),
+                "reruns": list(obj.reruns.all()[:20]), "evidence": selectors.attempt_evidence(obj),
+                "can_signal": obj.state not in states.RUN_TERMINAL and user.has_perm("executions.signal_run"),
+                "can_retry_task": user.has_perm("executions.retry_task"),
+                "can_cancel_task": user.has_perm("executions.cancel_task"),
                 "run_actions": [(name, admin_views.RUN_ACTIONS[name][0]) for name, ok in offered.items()
                                 if ok and user.has_perm(f"executions.{name}_run")]}
 

@@ -33,6 +33,9 @@ def _page(admin, request, obj, context):
         "nothing_undone": NOTHING_UNDONE, "fields": [], **context})
 
 
+
+
+
 def run_action_view(admin, request, object_id, name):
     label, meaning, service = RUN_ACTIONS[name]
     if not request.user.has_perm(f"executions.{name}_run"):
@@ -92,3 +95,96 @@ def issue_start_run_view(admin, request, object_id):
         "connections": Connection.objects.order_by("name"),
         "revisions": WorkflowRevision.objects.select_related("workflow").order_by("workflow__name", "-number"),
     })
+
+
+TASK_ACTIONS = {
+    "retry": ("Retry task", "A new task for the node, linked with retry_of; the finished task stays as it was.",
+              "executions.retry_task", actions.task_retry),
+    "cancel": ("Cancel task", "Its active attempt is interrupted (verified stop); the node waits for a retry.",
+               "executions.cancel_task", actions.task_cancel),
+}
+
+
+def task_action_view(admin, request, object_id, task_id, name):
+    from .models import AgentTask
+
+    if name not in TASK_ACTIONS:
+        raise PermissionDenied
+    label, meaning, perm, service = TASK_ACTIONS[name]
+    if not request.user.has_perm(perm):
+        raise PermissionDenied
+    run = admin.get_object(request, object_id)
+    task = AgentTask.objects.select_related("node").filter(pk=task_id, node__run=run).first() if run else None
+    if task is None:
+        raise PermissionDenied
+    url = reverse("admin:executions_run_change", args=[run.pk])
+    if request.method == "POST":
+        try:
+            answer = service(actor=request.user, task_id=task.pk, client="admin",
+                             reason=request.POST.get("reason") or None)
+        except ApplicationError as error:
+            messages.error(request, f"Refused ({error.code}): {error.message}")
+        else:
+            messages.success(request, f"{label}: done." if answer.get("changed", True) else "Nothing to do.")
+        return HttpResponseRedirect(url)
+    return _page(admin, request, run, {
+        "title": f"{label}: task {task.ordinal} of {task.node.key}?", "action_label": label,
+        "danger": name == "cancel", "touched": [f"Task {task.pk} ({task.status}) of node {task.node.key}", meaning]})
+
+
+def run_signal_view(admin, request, object_id):
+    if not request.user.has_perm("executions.signal_run"):
+        raise PermissionDenied
+    run = admin.get_object(request, object_id)
+    if run is None:
+        raise PermissionDenied
+    url = reverse("admin:executions_run_change", args=[run.pk])
+    waiting = [n.wait_detail.get("signal") for n in run.nodes.filter(type="signal", state="waiting")]
+    if request.method == "POST":
+        try:
+            answer = actions.run_signal(actor=request.user, run_id=run.pk, name=request.POST.get("name", "").strip(),
+                                        client="admin", reason=request.POST.get("reason") or None)
+        except ApplicationError as error:
+            messages.error(request, f"Refused ({error.code}): {error.message}")
+        else:
+            messages.success(request, f"Signal delivered to {', '.join(answer['nodes'])}." if answer["nodes"]
+                             else "No node was waiting for that signal.")
+        return HttpResponseRedirect(url)
+    return _page(admin, request, run, {
+        "title": f"Deliver a signal to run {str(run.pk)[:8]}", "action_label": "Deliver signal",
+        "touched": [f"Nodes waiting for it continue. Waiting now for: {', '.join(waiting) or 'no signal'}."],
+        "fields": [("name", "Signal name", "text", waiting[0] if waiting else "")]})
+
+
+def inbox_view(admin, request):
+    """Review items and approvals for the signed-in operator, decided in place."""
+    from . import selectors
+
+    if not request.user.has_perm("executions.view_issue"):
+        raise PermissionDenied
+    if request.method == "POST":
+        kind, object_id = request.POST.get("kind"), request.POST.get("id")
+        version = request.POST.get("version")
+        version = int(version) if version and version.isdigit() else None
+        reason = request.POST.get("reason") or None
+        try:
+            if kind == "issue":
+                perm = "executions.accept_issue" if request.POST.get("decision") == "accept" else "executions.reject_issue"
+                if not request.user.has_perm(perm):
+                    raise PermissionDenied
+                actions.issue_review(actor=request.user, issue_id=object_id, client="admin", reason=reason,
+                                     accept=request.POST.get("decision") == "accept", expected_version=version)
+            elif kind == "approval":
+                if not request.user.has_perm("executions.decide_approval"):
+                    raise PermissionDenied
+                actions.approval_decide(actor=request.user, approval_id=object_id, client="admin", reason=reason,
+                                        decision=request.POST.get("decision", ""), expected_version=version)
+            messages.success(request, "Decision recorded.")
+        except ApplicationError as error:
+            messages.error(request, f"Refused ({error.code}): {error.message}")
+        return HttpResponseRedirect(reverse("admin:executions_issue_inbox"))
+    return TemplateResponse(request, "admin/executions/inbox.html", {
+        **admin.admin_site.each_context(request), "opts": admin.model._meta, "title": "Inbox",
+        "inbox": selectors.inbox_for(request.user),
+        "can_review": request.user.has_perm("executions.accept_issue"),
+        "can_decide": request.user.has_perm("executions.decide_approval")})

@@ -115,3 +115,27 @@ def inbox_for(user) -> dict:
                        "turn_id": a.turn_id, "prompt": a.prompt, "status": a.status, "version": a.version,
                        "created_at": a.created_at} for a in approvals],
     }
+
+
+def attempt_evidence(run: Run) -> list[dict]:
+    """The four kinds of evidence of each attempt, kept apart (SPEC §1 rule 4): tool events, the final
+    reply, the attempt's outcome and the issue's acceptance.  None implies another."""
+    from chorus_site.models import Event
+
+    attempts = list(Attempt.objects.filter(task__node__run=run).select_related("turn", "task__node")
+                    .order_by("task__node__id", "task__ordinal", "number"))
+    tools: dict = {}
+    turn_ids = [str(a.turn_id) for a in attempts if a.turn_id]
+    streams = {f"session:{a.turn.session_id}" for a in attempts if a.turn_id}
+    if turn_ids:
+        for data in (Event.objects.filter(stream__in=streams, kind="turn.output", data__type="tool",
+                                          data__id__in=turn_ids).values_list("data", flat=True)[:2000]):
+            tools.setdefault(data.get("id"), []).append(data.get("name") or "tool")
+    acceptance = {"in_review": "awaiting review", "done": "accepted", "cancelled": "cancelled"}.get(
+        run.issue.status, f"not delivered ({run.issue.status})")
+    return [{
+        "attempt": a, "node": a.task.node.key, "task": a.task.ordinal,
+        "tools": tools.get(str(a.turn_id), []),
+        "final_reply": (a.turn.final_reply if a.turn_id else "") or "",
+        "outcome": a.outcome or {}, "acceptance": acceptance,
+    } for a in attempts]

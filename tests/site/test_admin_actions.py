@@ -130,3 +130,40 @@ def test_issue_page_starts_a_run_and_the_run_page_pauses_and_cancels_it(operator
     run.refresh_from_db()
     assert run.state == "cancelling"
     assert AuditEntry.objects.filter(target=f"run:{run.pk}", client="admin").count() == 3
+
+
+def test_inbox_decides_reviews_and_approvals_in_place(operator, viewer):
+    from executions import engine
+    from executions.models import Approval, Issue
+    from executions.workflows import workflow_create
+
+    issue = factories.make_issue(status="in_review", title="Ready for review")
+    revision = workflow_create(name="inbox-wf", spec={"nodes": [{"key": "ship", "type": "approval",
+                                                                 "prompt": "Ship v2?"}]})
+    run = engine.run_start(issue_id=factories.make_issue().pk, mode="declared", workflow_revision_id=revision.pk)
+    engine.run_tick_apply(run_id=run.pk)
+    url = reverse("admin:executions_issue_inbox")
+    page = client_for(operator).get(url).content.decode()
+    assert "Ready for review" in page and "Ship v2?" in page
+    assert 'value="accept"' not in client_for(viewer).get(url).content.decode()
+    client_for(operator).post(url, {"kind": "issue", "id": issue.pk, "decision": "accept",
+                                    "version": issue.version})
+    assert Issue.objects.get(pk=issue.pk).status == "done"
+    approval = Approval.objects.get(node__run=run)
+    client_for(operator).post(url, {"kind": "approval", "id": approval.pk, "decision": "approved",
+                                    "version": approval.version})
+    assert Approval.objects.get(pk=approval.pk).status == "approved"
+    denied = client_for(viewer).post(url, {"kind": "approval", "id": approval.pk, "decision": "rejected"})
+    assert denied.status_code == 403
+
+
+def test_run_page_shows_evidence_and_task_actions(operator):
+    from executions.models import Attempt
+
+    run, node, task, attempt = factories.make_run_graph(run_state="running")
+    Attempt.objects.filter(pk=attempt.pk).update(outcome={"intent": "failed", "summary": "tests red"})
+    page = client_for(operator).get(reverse("admin:executions_run_change", args=[run.pk])).content.decode()
+    assert 'id="chorus-evidence"' in page and "tests red" in page and "not delivered" in page
+    cancel = reverse("admin:executions_run_task_action", args=[run.pk, task.pk, "cancel"])
+    assert cancel in page
+    assert b"Stopping never undoes work" in client_for(operator).get(cancel).content

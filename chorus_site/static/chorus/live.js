@@ -91,6 +91,24 @@
     body.insertBefore(row, body.firstChild);
   }
 
+  // The run page's task map and evidence grow (new tasks, attempts, member nodes): re-read them.
+  var refreshTimer = null;
+  var GROWING = ["task.created", "attempt.created", "node.added", "attempt.outcome", "turn.output"];
+  function refreshSections(event) {
+    if (GROWING.indexOf(event.kind) < 0 || !document.getElementById("chorus-task-map")) return;
+    if (event.kind === "turn.output" && event.data.type !== "tool") return;
+    clearTimeout(refreshTimer);
+    refreshTimer = setTimeout(function () {
+      fetch(location.href, {credentials: "same-origin"}).then(function (r) { return r.text(); }).then(function (html) {
+        var fresh = new DOMParser().parseFromString(html, "text/html");
+        ["chorus-task-map", "chorus-evidence"].forEach(function (id) {
+          var now = document.getElementById(id), next = fresh.getElementById(id);
+          if (now && next) now.innerHTML = next.innerHTML;
+        });
+      });
+    }, 300);
+  }
+
   function connect() {
     var scheme = location.protocol === "https:" ? "wss://" : "ws://";
     var socket = new WebSocket(scheme + location.host + "/ws/live/");
@@ -113,6 +131,7 @@
         updateBadges(event);
         appendTimeline(event);
         appendTurn(event);
+        refreshSections(event);
         document.dispatchEvent(new CustomEvent("chorus:event", {detail: event}));
       } else if (message.type === "error") {
         setIndicator("offline", message.code);
