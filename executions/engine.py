@@ -318,6 +318,28 @@ def node_prompt(run: Run, node: RunNode) -> str:
     return "\n\n".join(p for p in parts if p)
 
 
+def _dependency_done(ref: str) -> bool:
+    if not _is_uuid(ref):
+        return False
+    if Issue.objects.filter(pk=ref, status="done").exists():
+        return True
+    return Run.objects.filter(pk=ref, state__in={"succeeded", "partial_succeeded"}).exists()
+
+
+def _continue_if_dependency_cleared(run: Run, attempt: Attempt) -> None:
+    """A waiting attempt goes on in the same session once the work it waits for is done."""
+    ref = (attempt.outcome or {}).get("waiting_on") or (attempt.outcome or {}).get("ref")
+    if not ref or not _dependency_done(ref):
+        return
+    node = attempt.task.node
+    answer = session_actions.turn_enqueue(
+        session_id=attempt.session_id, trigger="task_assigned", attempt_id=attempt.pk,
+        prompt=f"The work you were waiting for ({ref}) is done. Continue the task.\n\n{node_prompt(run, node)}")
+    services.attempt_set_state(attempt_id=attempt.pk, state="running", turn_id=answer["turn"], outcome=None)
+    services.task_set_status(task_id=attempt.task_id, status="running")
+    services.node_set_state(node_id=node.pk, state="running", wait_reason="", wait_detail={})
+
+
 def fresh_context(run: Run) -> str:
     """A fresh session's first prompt is rebuilt from the issue, its comments and its artifacts —
     never from process memory (§6.4)."""
@@ -342,7 +364,10 @@ def _converge_attempts(run: Run) -> None:
         turn = attempt.turn
         if turn is None:
             continue
-        if turn.status in {"running", "requires_action"} and attempt.state == "preparing":
+        if attempt.state == "waiting":
+            _continue_if_dependency_cleared(run, attempt)
+            continue
+        if turn.status in {"running", "requires_action"} and attempt.state in {"preparing", "assigned"}:
             services.attempt_set_state(attempt_id=attempt.pk, state="running", heartbeat_at=timezone.now())
             if attempt.task.status == "dispatched":
                 services.task_set_status(task_id=attempt.task_id, status="running")
@@ -366,6 +391,23 @@ def _attempt_finished(run: Run, attempt: Attempt, turn: Turn) -> None:
             # An operator stopped this turn directly: the task failed; its node may retry.
             services.task_set_status(task_id=task.pk, status="failed", error="stopped by an operator")
             _node_failed_or_retry(node, task, "stopped by an operator")
+        return
+    if turn.status == "ended" and outcome.get("intent") == "waiting" and outcome.get("waiting_on", outcome.get("ref")):
+        # It waits for another piece of work; it continues by itself when that is done (§6.5).
+        ref = outcome.get("waiting_on") or outcome.get("ref")
+        services.attempt_set_state(attempt_id=attempt.pk, state="waiting", outcome=outcome)
+        services.task_set_status(task_id=task.pk, status="waiting", wait_reason="dependency")
+        services.node_set_state(node_id=node.pk, state="waiting", wait_reason="dependency",
+                                wait_detail={"waiting_on": ref, "unblock": "it continues when that work is done"})
+        return
+    if turn.status == "ended" and outcome.get("intent") == "blocked":
+        # The agent cannot go on; its partial work is kept.  No automatic retry: a person decides.
+        services.attempt_set_state(attempt_id=attempt.pk, state="failed", outcome=outcome, failure_code="blocked",
+                                   failure_message=outcome.get("summary") or "the agent reported it is blocked")
+        services.task_set_status(task_id=task.pk, status="failed", error="blocked")
+        services.node_set_state(node_id=node.pk, state="waiting", wait_reason="blocked",
+                                wait_detail={"task": str(task.pk), "summary": outcome.get("summary") or "",
+                                             "unblock": "comment on the issue with what it needs, then retry the task"})
         return
     if turn.status == "ended" and outcome.get("intent") == "succeeded":
         services.attempt_set_state(attempt_id=attempt.pk, state="succeeded", outcome=outcome, usage=turn.usage or {})
@@ -426,7 +468,9 @@ def _settle_run(run: Run, waits: list[dict]) -> str:
         return _complete(run, nodes)
     if run.state == "paused":
         return run.state
-    idle = not Attempt.objects.filter(task__node__run=run).exclude(state__in=states.ATTEMPT_TERMINAL).exists()
+    # Attempts that wait for other work do not keep the run busy.
+    idle = not (Attempt.objects.filter(task__node__run=run).exclude(state__in=states.ATTEMPT_TERMINAL)
+                .exclude(state="waiting").exists())
     waiting_nodes = [n for n in nodes if n.state == "waiting"]
     if idle and not waits and waiting_nodes:
         waits = [{"reason": waiting_nodes[0].wait_reason, "detail": waiting_nodes[0].wait_detail}]
@@ -493,8 +537,8 @@ def runs_needing_a_tick() -> list[str]:
     """Waiting runs and running runs with a ready node: their cause may have cleared."""
     ids = set(Run.objects.filter(state="waiting").values_list("pk", flat=True))
     ids |= set(RunNode.objects.filter(run__state="running", state="ready").values_list("run_id", flat=True))
-    ids |= set(RunNode.objects.filter(run__state__in=["running", "waiting"], state="waiting", type="timer")
-               .values_list("run_id", flat=True))
+    ids |= set(RunNode.objects.filter(run__state__in=["running", "waiting"], state="waiting",
+                                      wait_reason__in=["timer", "dependency"]).values_list("run_id", flat=True))
     return [str(i) for i in ids]
 
 

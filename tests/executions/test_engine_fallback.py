@@ -66,3 +66,52 @@ def test_without_fallback_the_attempt_stays_bound_and_the_run_waits_host_offline
     run = Run.objects.get(pk=run.pk)
     assert (run.state, run.wait_reason) == ("waiting", "host_offline")
     assert Attempt.objects.filter(task__node__run=run).count() == 1
+
+
+def finish_with(connection, attempt, intent, **extra):
+    from chorus_site.events import event_append
+
+    turn = attempt.turn
+    bridge._apply_advance(connection, turn.pk, {"report_id": str(uuid.uuid4()), "status": "running"})
+    event_append(stream=turn.stream, kind="turn.output",
+                 data={"id": str(turn.pk), "type": "outcome", "intent": intent, **extra})
+    bridge._apply_advance(connection, turn.pk, {"report_id": str(uuid.uuid4()), "status": "ended"})
+    engine.run_tick_apply(run_id=attempt.task.node.run_id)
+
+
+def test_waiting_outcome_continues_by_itself_when_the_dependency_is_done():
+    connection = live(factories.make_connection(cwds=["/srv/a"]))
+    dependency = factories.make_issue(title="API first")
+    run = engine.run_start(issue_id=factories.make_issue().pk, mode="direct", input={"prompt": "@outcome waiting"},
+                           target={"connection": str(connection.pk)})
+    engine.run_tick_apply(run_id=run.pk)
+    attempt = Attempt.objects.get(task__node__run=run)
+    finish_with(connection, attempt, "waiting", ref=str(dependency.pk))
+    run.refresh_from_db()
+    attempt.refresh_from_db()
+    assert (run.state, run.wait_reason) == ("waiting", "dependency")
+    assert attempt.state == "waiting"
+    engine.run_tick_apply(run_id=run.pk)
+    assert Attempt.objects.get(pk=attempt.pk).state == "waiting"  # nothing moves before the dependency is done
+    from executions.models import Issue
+
+    Issue.objects.filter(pk=dependency.pk).update(status="done")
+    engine.run_tick_apply(run_id=run.pk)
+    attempt.refresh_from_db()
+    assert attempt.state == "running" and "API first" not in attempt.turn.prompt
+    assert str(dependency.pk) in attempt.turn.prompt and attempt.turn.session_id == attempt.session_id
+
+
+def test_blocked_outcome_keeps_work_and_waits_for_a_person():
+    connection = live(factories.make_connection(cwds=["/srv/a"]))
+    run = engine.run_start(issue_id=factories.make_issue().pk, mode="direct", input={"prompt": "@outcome blocked"},
+                           target={"connection": str(connection.pk)})
+    engine.run_tick_apply(run_id=run.pk)
+    attempt = Attempt.objects.get(task__node__run=run)
+    finish_with(connection, attempt, "blocked", summary="needs database credentials")
+    node = run.nodes.get()
+    assert (node.state, node.wait_reason) == ("waiting", "blocked")
+    assert "credentials" in node.wait_detail["summary"]
+    engine.run_tick_apply(run_id=run.pk)
+    assert Attempt.objects.filter(task__node__run=run).count() == 1  # no automatic retry
+    assert Run.objects.get(pk=run.pk).state == "waiting"
