@@ -18,6 +18,7 @@ from django.db import connection
 
 from chorus_site.tokens import token_create
 from sessions_app import services
+from chorus_site.models import Event
 from sessions_app.models import Connection, Turn
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -280,3 +281,11 @@ def alive(pid: int) -> bool:
     return True
 
 
+def output_value(turn, key, timeout=20):
+    def find():
+        for event in Event.objects.filter(stream=turn.stream, kind="turn.output").order_by("id"):
+            if key in event.data:
+                return event.data[key]
+        return None
+
+    return wait_until(find, timeout=timeout, message=f"agent output with {key}")

@@ -11,7 +11,7 @@ import pytest
 from chorus_site.models import Event
 from chorus_site.tokens import token_create
 from sessions_app.models import Connection, Session, Turn
-from tests.e2e.conftest import Api, alive, kill_group, start_portal, stop_process, wait_online, wait_until
+from tests.e2e.conftest import Api, alive, kill_group, output_value, start_portal, stop_process, wait_online, wait_until
 
 pytestmark = [pytest.mark.django_db(transaction=True)]
 
@@ -30,16 +30,6 @@ def wait_status(turn, statuses, timeout=30):
     statuses = {statuses} if isinstance(statuses, str) else set(statuses)
     return wait_until(lambda: (t := Turn.objects.get(pk=turn.pk)).status in statuses and t, timeout=timeout,
                       message=f"turn to reach {statuses}")
-
-
-def output_value(turn, key, timeout=20):
-    def find():
-        for event in Event.objects.filter(stream=turn.stream, kind="turn.output").order_by("id"):
-            if key in event.data:
-                return event.data[key]
-        return None
-
-    return wait_until(find, timeout=timeout, message=f"agent output with {key}")
 
 
 def test_a_started_session_runs_a_turn_to_its_end(bridge):

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from executions.models import AgentTask, Attempt, Issue, Run
-from tests.e2e.conftest import wait_until
+from sessions_app.models import Turn
+from tests.e2e.conftest import alive, output_value, wait_until
 
 pytestmark = [pytest.mark.django_db(transaction=True)]
 
@@ -87,13 +88,44 @@ def test_cancel_interrupts_a_stop_ignoring_agent_and_ends_cancelled(bridge):
     run_id = body["run"]
     wait_until(lambda: Attempt.objects.filter(task__node__run_id=run_id, state="running").exists(), timeout=30,
                message="the attempt to run")
+    attempt_turn = Attempt.objects.get(task__node__run_id=run_id).turn
+    grandchild_pid = int(output_value(attempt_turn, "grandchild_pid"))
+    agent_pid = Turn.objects.get(pk=attempt_turn.pk).pid
     status, answer = api.call("POST", f"/runs/{run_id}/cancel", {"reason": "not needed"})
     assert status == 200 and answer["interrupted_turns"]
     run = wait_run(run_id, {"cancelled"}, timeout=30)
     assert all(a.state in {"cancelled", "failed", "succeeded"} for a in Attempt.objects.filter(task__node__run=run))
     turn = Attempt.objects.get(task__node__run=run).turn
     assert turn.stop_state == "confirmed"
+    assert not alive(agent_pid) and not alive(grandchild_pid)  # no process left
     assert Issue.objects.get(pk=issue["id"]).status == "in_progress"  # not accepted, nothing rolled back
+
+
+def test_pause_stops_new_dispatch_while_the_running_attempt_finishes(bridge, ops_admin_user):
+    from chorus_site.tokens import token_create
+    from tests.e2e.conftest import Api
+
+    _t, raw = token_create(user=ops_admin_user, name="admin")
+    status, wf = Api(bridge["portal"], raw).call("POST", "/workflows", {"name": "two-steps", "spec": {"nodes": [
+        {"key": "first", "type": "agent", "prompt": "@sleep 4\n@outcome succeeded"},
+        {"key": "second", "type": "agent", "depends_on": ["first"], "prompt": "@outcome succeeded"}]}})
+    issue = create_issue(bridge["api"])
+    status, body = bridge["api"].call("POST", "/runs", {"issue": issue["id"], "mode": "declared",
+                                                        "workflow_revision": wf["revision"]})
+    run_id = body["run"]
+    wait_until(lambda: Attempt.objects.filter(task__node__run_id=run_id, state="running").exists(), timeout=30,
+               message="the first attempt to run")
+    status, paused = bridge["api"].call("POST", f"/runs/{run_id}/pause", {})
+    assert status == 200 and paused["state"] == "paused"
+    first = wait_until(lambda: Attempt.objects.filter(task__node__run_id=run_id, state="succeeded").first(),
+                       timeout=30, message="the running attempt to finish while paused")
+    assert first.task.node.key == "first"
+    run = Run.objects.get(pk=run_id)
+    assert run.state == "paused"
+    assert not AgentTask.objects.filter(node__run=run, node__key="second").exists()  # nothing new dispatched
+    status, resumed = bridge["api"].call("POST", f"/runs/{run_id}/resume", {})
+    assert status == 200
+    assert wait_run(run_id, {"succeeded", "failed"}, timeout=60).state == "succeeded"
 
 
 def test_killing_the_daemon_mid_attempt_makes_attempt_2_which_succeeds(bridge):
