@@ -1,12 +1,15 @@
 """Executions section of the ops admin (SPEC §3.2): runs with their task map, live."""
 
+from django import forms
 from django.contrib import admin
 from django.urls import path, reverse
 from django.utils.html import format_html
 
 from chorus_site.admin_base import OpsAdmin, live_badge
+from chorus_site.audit import audit_record
+from chorus_site.errors import ApplicationError
 
-from . import admin_views, selectors, states, troubleshooting
+from . import admin_views, selectors, states, troubleshooting, workflows
 from .models import AgentTask, Approval, Artifact, Attempt, Comment, Issue, Run, RunNode, WorkflowDefinition, WorkflowRevision
 
 
@@ -94,11 +97,68 @@ class WorkflowRevisionInline(admin.TabularInline):
         return False
 
 
+class WorkflowCreateForm(forms.ModelForm):
+    spec = forms.JSONField(help_text='{"nodes": [{"key": "build", "type": "agent", "prompt": "...", '
+                                     '"depends_on": [], "retry": {"max_task_retries": 1}}]}',
+                           widget=forms.Textarea(attrs={"rows": 14, "cols": 90}))
+
+    class Meta:
+        model = WorkflowDefinition
+        fields = ["name", "description"]
+
+    def clean_spec(self):
+        try:
+            return workflows.workflow_validate(self.cleaned_data["spec"])
+        except ApplicationError as error:
+            raise forms.ValidationError(error.message) from None
+
+
 @admin.register(WorkflowDefinition)
 class WorkflowDefinitionAdmin(OpsAdmin):
     list_display = ["name", "description", "created_at"]
     search_fields = ["name"]
     inlines = [WorkflowRevisionInline]
+    change_form_template = "admin/executions/workflowdefinition/change_form.html"
+
+    # ops_admin writes workflows; every change is a new immutable revision.
+    def has_add_permission(self, request):
+        return request.user.has_perm("executions.add_workflowdefinition")
+
+    def get_form(self, request, obj=None, **kwargs):
+        if obj is None:
+            kwargs["form"] = WorkflowCreateForm
+        return super().get_form(request, obj, **kwargs)
+
+    def get_fields(self, request, obj=None):
+        return ["name", "description", "spec"] if obj is None else super().get_fields(request, obj)
+
+    def get_readonly_fields(self, request, obj=None):
+        return [] if obj is None else super().get_readonly_fields(request, obj)
+
+    def get_inlines(self, request, obj):
+        return self.inlines if obj is not None else []
+
+    def save_model(self, request, obj, form, change):
+        revision = workflows.workflow_create(name=form.cleaned_data["name"], spec=form.cleaned_data["spec"],
+                                             description=form.cleaned_data.get("description", ""), actor=request.user)
+        obj.pk = revision.workflow_id
+        audit_record(actor=request.user, action="workflow.create", target=f"workflow:{obj.pk}", outcome="created",
+                     client="admin")
+
+    def save_related(self, request, form, formsets, change):
+        return None
+
+    def log_addition(self, request, obj, message):
+        return None  # the audit entry records it
+
+    def get_urls(self):
+        view = self.admin_site.admin_view(lambda request, object_id: admin_views.workflow_revise_view(
+            self, request, object_id))
+        return [path("<path:object_id>/revise/", view, name="executions_workflowdefinition_revise")] + \
+            super().get_urls()
+
+    def extra_detail_context(self, request, obj):
+        return {"can_revise": request.user.has_perm("executions.add_workflowrevision")}
 
 
 @admin.register(WorkflowRevision)

@@ -188,3 +188,38 @@ def inbox_view(admin, request):
         "inbox": selectors.inbox_for(request.user),
         "can_review": request.user.has_perm("executions.accept_issue"),
         "can_decide": request.user.has_perm("executions.decide_approval")})
+
+
+def workflow_revise_view(admin, request, object_id):
+    """A new immutable revision of a workflow, validated before it is stored."""
+    import json
+
+    from . import workflows
+
+    if not request.user.has_perm("executions.add_workflowrevision"):
+        raise PermissionDenied
+    workflow = admin.get_object(request, object_id)
+    if workflow is None:
+        raise PermissionDenied
+    latest = workflow.revisions.order_by("-number").first()
+    text = request.POST.get("spec") if request.method == "POST" else json.dumps(latest.spec if latest else
+                                                                                 {"nodes": []}, indent=2)
+    if request.method == "POST":
+        try:
+            revision = workflows.workflow_revise(workflow_id=workflow.pk, spec=json.loads(text or ""),
+                                                 actor=request.user)
+        except json.JSONDecodeError as error:
+            messages.error(request, f"Not JSON: {error}")
+        except ApplicationError as error:
+            messages.error(request, f"Refused: {error.message}")
+        else:
+            from chorus_site.audit import audit_record
+
+            audit_record(actor=request.user, action="workflow.revise", target=f"workflow:{workflow.pk}",
+                         outcome=f"revision {revision.number}", client="admin")
+            messages.success(request, f"Revision {revision.number} created; earlier revisions stay as they were.")
+            return HttpResponseRedirect(reverse("admin:executions_workflowdefinition_change", args=[workflow.pk]))
+    return _page(admin, request, workflow, {
+        "title": f"New revision of {workflow.name}", "action_label": "Create revision",
+        "touched": ["A new immutable revision; runs already started keep the revision they were started with."],
+        "fields": [("spec", "Workflow (JSON)", "textarea", text)]})

@@ -167,3 +167,26 @@ def test_run_page_shows_evidence_and_task_actions(operator):
     cancel = reverse("admin:executions_run_task_action", args=[run.pk, task.pk, "cancel"])
     assert cancel in page
     assert b"Stopping never undoes work" in client_for(operator).get(cancel).content
+
+
+def test_ops_admin_writes_workflows_and_revisions_in_the_admin(ops_admin_user, operator):
+    import json
+
+    from executions.models import WorkflowDefinition
+
+    add = reverse("admin:executions_workflowdefinition_add")
+    assert client_for(operator).get(add).status_code == 403
+    cycle = {"nodes": [{"key": "a", "depends_on": ["b"]}, {"key": "b", "depends_on": ["a"]}]}
+    refused = client_for(ops_admin_user).post(add, {"name": "loop", "description": "", "spec": json.dumps(cycle)})
+    assert refused.status_code == 200 and b"dependency cycle" in refused.content
+    assert not WorkflowDefinition.objects.filter(name="loop").exists()
+    good = {"nodes": [{"key": "build", "type": "agent", "prompt": "@outcome succeeded"}]}
+    created = client_for(ops_admin_user).post(add, {"name": "build", "description": "d", "spec": json.dumps(good)})
+    assert created.status_code == 302
+    workflow = WorkflowDefinition.objects.get(name="build")
+    assert workflow.revisions.get().number == 1
+    revise = reverse("admin:executions_workflowdefinition_revise", args=[workflow.pk])
+    good["nodes"].append({"key": "test", "depends_on": ["build"], "prompt": "@outcome succeeded"})
+    client_for(ops_admin_user).post(revise, {"spec": json.dumps(good)})
+    assert sorted(workflow.revisions.values_list("number", flat=True)) == [1, 2]
+    assert len(workflow.revisions.get(number=1).spec["nodes"]) == 1  # the first revision is unchanged
