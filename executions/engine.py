@@ -220,6 +220,10 @@ def _dispatch_node(run: Run, node: RunNode) -> dict | None:
     attempt = task.attempts.exclude(state__in=states.ATTEMPT_TERMINAL).first()
     if attempt is not None:
         return None
+    retry_after = (task.result or {}).get("retry_after")
+    if retry_after and retry_after > timezone.now().isoformat():
+        return {"reason": "retry_backoff", "detail": {"until": retry_after, "task": str(task.pk),
+                                                       "unblock": "the next attempt starts by itself then"}}
     connection, wait = _choose_connection(run, node, task)
     if connection is None:
         return wait
@@ -420,7 +424,10 @@ def _attempt_finished(run: Run, attempt: Attempt, turn: Turn) -> None:
     services.attempt_set_state(attempt_id=attempt.pk, state="failed", outcome=outcome or None, failure_code=code,
                                failure_message=message, usage=turn.usage or {})
     if infra and attempt.number <= run.policy.get("infra_retries", 2):
-        return  # the next tick makes attempt n+1 of the same task
+        # Attempt n+1 of the same task, after a backoff (2 s, 4 s, 8 s … at most a minute).
+        until = timezone.now() + timedelta(seconds=min(60, 2 ** attempt.number))
+        AgentTask.objects.filter(pk=task.pk).update(result={**(task.result or {}), "retry_after": until.isoformat()})
+        return
     if infra and run.policy.get("fresh_fallback") and not (task.result or {}).get("fallback"):
         # §6.4: the original connection's retries are spent; the next attempt starts fresh elsewhere.
         AgentTask.objects.filter(pk=task.pk).update(result={**(task.result or {}), "fallback": True})
@@ -536,6 +543,8 @@ def _finish_cancel(run: Run, nodes: list[RunNode]) -> str:
 def runs_needing_a_tick() -> list[str]:
     """Waiting runs and running runs with a ready node: their cause may have cleared."""
     ids = set(Run.objects.filter(state="waiting").values_list("pk", flat=True))
+    ids |= set(AgentTask.objects.filter(node__run__state="running", status__in=["dispatched", "running"],
+                                        result__has_key="retry_after").values_list("node__run_id", flat=True))
     ids |= set(RunNode.objects.filter(run__state="running", state="ready").values_list("run_id", flat=True))
     ids |= set(RunNode.objects.filter(run__state__in=["running", "waiting"], state="waiting",
                                       wait_reason__in=["timer", "dependency"]).values_list("run_id", flat=True))

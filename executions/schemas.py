@@ -70,6 +70,7 @@ class TaskOut(Schema):
     ordinal: int
     status: str
     retry_of: UUID | None
+    retried_by: list[UUID] = []
     leader: bool
     session_id: UUID | None
     current_attempt_id: UUID | None
@@ -120,6 +121,7 @@ class RunOut(Schema):
 
 class RunDetailOut(RunOut):
     nodes: list[NodeOut]
+    reruns: list[UUID] = []
 
 
 class RevisionOut(Schema):

@@ -60,6 +60,7 @@ def attempt_out(a: Attempt) -> dict:
 
 def task_out(t: AgentTask, attempts=None) -> dict:
     out = {"id": t.id, "node_id": t.node_id, "ordinal": t.ordinal, "status": t.status, "retry_of": t.retry_of_id,
+           "retried_by": [r.pk for r in t.retries.all()],
            "leader": t.leader, "session_id": t.session_id, "current_attempt_id": t.current_attempt_id,
            "result": t.result, "error": t.error, "wait_reason": t.wait_reason}
     if attempts is not None:
@@ -79,13 +80,15 @@ def run_out(r: Run, *, graph: bool = False) -> dict:
     }
     if graph:
         out["nodes"] = run_graph(r)
+        out["reruns"] = [x.pk for x in r.reruns.order_by("id")]
     return out
 
 
 def run_graph(run: Run) -> list[dict]:
     """nodes → tasks → attempts in three queries."""
     attempts = Attempt.objects.order_by("number")
-    tasks = AgentTask.objects.order_by("ordinal").prefetch_related(Prefetch("attempts", queryset=attempts))
+    tasks = AgentTask.objects.order_by("ordinal").prefetch_related(Prefetch("attempts", queryset=attempts),
+                                                                     "retries")
     nodes = RunNode.objects.filter(run=run).order_by("id").prefetch_related(Prefetch("tasks", queryset=tasks))
     return [
         {"id": n.id, "key": n.key, "type": n.type, "state": n.state, "iteration": n.iteration,

@@ -64,6 +64,13 @@ def test_without_fallback_the_attempt_stays_bound_and_the_run_waits_host_offline
     live(other if bound.pk == original.pk else original)
     engine.run_tick_apply(run_id=run.pk)
     run = Run.objects.get(pk=run.pk)
+    assert (run.state, run.wait_reason) == ("waiting", "retry_backoff")  # attempt 2 only after a backoff
+    from executions.models import AgentTask
+
+    task = AgentTask.objects.get(node__run=run)
+    AgentTask.objects.filter(pk=task.pk).update(result={"retry_after": "2000-01-01T00:00:00+00:00"})  # time passes
+    engine.run_tick_apply(run_id=run.pk)
+    run = Run.objects.get(pk=run.pk)
     assert (run.state, run.wait_reason) == ("waiting", "host_offline")
     assert Attempt.objects.filter(task__node__run=run).count() == 1
 
