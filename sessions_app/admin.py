@@ -106,6 +106,7 @@ class SessionAdmin(OpsAdmin):
             "can_handoff": user.has_perm("sessions_app.handoff_session"),
             "can_message": user.has_perm("sessions_app.message_session") and obj.status == "active",
             "turns": list(obj.turns.order_by("-seq")[:50]),
+            "handoff_to": Session.objects.filter(handoff_from=obj).first(),
             "transcript": list(obj.transcript.order_by("-id")[:20])[::-1],
             "takeover": selectors.takeover_for(obj),
             "turn_url_template": reverse("admin:sessions_app_turn_change",

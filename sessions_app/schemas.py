@@ -111,6 +111,7 @@ class PreflightOut(Schema):
     last_turn_reason: str | None
     last_turn_age_s: float | None
     files_changed_since: dict
+    git_head_then: str | None = None
 
 
 class Page(Schema):

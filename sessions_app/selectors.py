@@ -170,6 +170,8 @@ def resume_preflight(session: Session) -> dict:
         "last_turn_reason": (last.interrupted_reason or None) if last else None,
         "last_turn_age_s": (now - (last.ended_at or last.created_at)).total_seconds() if last else None,
         "files_changed_since": (last.changes or {}) if last else {},
+        # HEAD as the daemon reported it when the last turn ended; the daemon checks the cwd again on resume.
+        "git_head_then": ((last.changes or {}).get("head") if last else None),
     }
 
 
