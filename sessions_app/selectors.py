@@ -17,13 +17,6 @@ from .models import Connection, Session, TranscriptMessage, Turn
 
 HEARTBEAT_STALE_AFTER = timedelta(seconds=30)
 
-# §4.5: the command an operator runs in the session's directory to continue in a terminal.
-TAKEOVER_COMMANDS = {
-    "claude_code": "claude --resume {id}",
-    "codex": "codex exec resume {id}",
-    "kiro": "kiro-cli chat --resume-id {id}",
-    "scripted": "python -m agents.scripted_agent --resume {id}",
-}
 
 
 def connections_qs() -> QuerySet:
@@ -49,14 +42,20 @@ def get_or_404(qs: QuerySet, pk):
 
 
 def takeover_for(session: Session) -> dict | None:
-    template = TAKEOVER_COMMANDS.get(session.backend)
-    if not template or not session.backend_session_id:
+    """§4.5: the command an operator runs in the session's directory to continue in a terminal,
+    as the backend's adapter builds it (the same adapters the daemon uses)."""
+    from agents.backends import get_backend
+
+    if not session.backend_session_id:
         return None  # never fall back to a portal id
-    return {
-        "backend_session_id": session.backend_session_id,
-        "cwd": session.cwd,
-        "command": f"cd {shlex.quote(session.cwd)} && " + template.format(id=shlex.quote(session.backend_session_id)),
-    }
+    try:
+        command = get_backend(session.backend).takeover_command(session.backend_session_id, session.cwd)
+    except KeyError:
+        command = None
+    if not command:
+        return None  # dsh keeps no session
+    return {"backend_session_id": session.backend_session_id, "cwd": session.cwd,
+            "command": f"cd {shlex.quote(session.cwd)} && {command}"}
 
 
 def connection_out(c: Connection) -> dict:
