@@ -18,16 +18,16 @@ from .events import DASHBOARD_GROUP, parse_cursor, stream_group
 from .live import StreamPosition, accept_live, catch_up, position_at
 from .permissions import has_ops_role
 
-_STREAM = re.compile(r"^(session|run|connection):[0-9a-f-]{36}$")
+_STREAM = re.compile(r"^(session|run|connection|issue):[0-9a-f-]{36}$")
 MAX_SUBSCRIPTIONS = 50
 
 
 def _stream_exists(stream: str) -> bool:
-    from executions.models import Run
+    from executions.models import Issue, Run
     from sessions_app.models import Connection, Session
 
     kind, object_id = stream.split(":", 1)
-    model = {"session": Session, "run": Run, "connection": Connection}[kind]
+    model = {"session": Session, "run": Run, "connection": Connection, "issue": Issue}[kind]
     try:
         return model.objects.filter(pk=object_id).exists()
     except (ValueError, TypeError):
@@ -66,7 +66,8 @@ class LiveConsumer(AsyncJsonWebsocketConsumer):
 
     async def _subscribe(self, stream, after):
         if not isinstance(stream, str) or not (stream == "dashboard" or _STREAM.match(stream)):
-            return await self._error("bad_request", "stream must be session:<id>, run:<id>, connection:<id> or dashboard",
+            return await self._error("bad_request", "stream must be session:<id>, run:<id>, connection:<id>, "
+                                     "issue:<id> or dashboard",
                                      stream)
         # Re-read the user's permissions on every subscribe: a role removed mid-connection applies.
         user = await database_sync_to_async(_fresh_user)(self.scope["user"])

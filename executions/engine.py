@@ -135,16 +135,22 @@ def run_tick_apply(*, run_id) -> str:
         nodes = list(RunNode.objects.filter(run=run).order_by("id"))
         if run.state == "cancelling":
             return _finish_cancel(run, nodes)
-        _promote_nodes(nodes)
-        if run.state != "paused":
+        waits = []
+        # A node finishing in this tick (a timer due, a dependency done) readies its dependents at once.
+        for _ in range(len(nodes) + 1):
+            before = [(n.pk, n.state) for n in nodes]
+            _promote_nodes(nodes)
+            if run.state == "paused":
+                break
             # Running nodes too: a failed attempt (infra retry) or task (policy retry) needs a successor.
             _block_nodes_of_cancelled_tasks(nodes)
             waits = [_dispatch_node(run, node) for node in nodes
                      if node.state in {"ready", "running", "waiting"} and node.type == "agent"]
             _wait_on_other_nodes(run, nodes)
             waits = [w for w in waits if w]
-        else:
-            waits = []
+            nodes = list(RunNode.objects.filter(run=run).order_by("id"))
+            if [(n.pk, n.state) for n in nodes] == before:
+                break
         return _settle_run(run, waits)
 
 
@@ -236,7 +242,8 @@ def _dispatch_node(run: Run, node: RunNode) -> dict | None:
     services.attempt_set_state(attempt_id=attempt.pk, state="assigned", session=session, cwd=session.cwd,
                                provider_session_id=session.backend_session_id or "")
     prompt = node_prompt(run, node)
-    if (task.result or {}).get("fallback"):
+    if (task.result or {}).get("fallback") or task.retry_of_id:
+        # A fresh session, or a retry after a failure or a block: what people wrote since matters.
         prompt = fresh_context(run) + "\n\n" + prompt
     answer = session_actions.turn_enqueue(session_id=session.pk, trigger="task_assigned", prompt=prompt,
                                           attempt_id=attempt.pk)
@@ -338,7 +345,7 @@ def _continue_if_dependency_cleared(run: Run, attempt: Attempt) -> None:
     node = attempt.task.node
     answer = session_actions.turn_enqueue(
         session_id=attempt.session_id, trigger="task_assigned", attempt_id=attempt.pk,
-        prompt=f"The work you were waiting for ({ref}) is done. Continue the task.\n\n{node_prompt(run, node)}")
+        prompt=f"The work you were waiting for ({ref}) is done. Continue the task where you left it.")
     services.attempt_set_state(attempt_id=attempt.pk, state="running", turn_id=answer["turn"], outcome=None)
     services.task_set_status(task_id=attempt.task_id, status="running")
     services.node_set_state(node_id=node.pk, state="running", wait_reason="", wait_detail={})
@@ -365,12 +372,38 @@ def _converge_attempts(run: Run) -> None:
     attempts = (Attempt.objects.filter(task__node__run=run).exclude(state__in=states.ATTEMPT_TERMINAL)
                 .select_related("turn", "task__node"))
     for attempt in attempts:
-        turn = attempt.turn
+        # The attempt's latest turn: answering a question or resuming adds turns to the same attempt.
+        turn = Turn.objects.filter(attempt_id=attempt.pk).order_by("-created_at").first() or attempt.turn
         if turn is None:
             continue
-        if attempt.state == "waiting":
+        if attempt.turn_id != turn.pk:
+            Attempt.objects.filter(pk=attempt.pk).update(turn=turn)
+            attempt.turn = turn
+        if attempt.state == "waiting" and (attempt.outcome or {}).get("intent") == "waiting":
             _continue_if_dependency_cleared(run, attempt)
             continue
+        node = attempt.task.node
+        if turn.status == "requires_action" and attempt.state in {"preparing", "running"}:
+            if attempt.state == "preparing":
+                services.attempt_set_state(attempt_id=attempt.pk, state="running")
+            services.attempt_set_state(attempt_id=attempt.pk, state="waiting")
+            kind = (turn.requires_action or {}).get("kind")
+            reason = "tool_result" if kind == "external_execution" else "approval"
+            if node.state == "running":
+                services.node_set_state(node_id=node.pk, state="waiting", wait_reason=reason,
+                                        wait_detail={"turn": str(turn.pk), "unblock": "answer the turn's question "
+                                                     "(turn page or POST /turns/{id}/actions)"})
+            continue
+        if attempt.state == "waiting" and turn.status in {"pending", "running"}:
+            services.attempt_set_state(attempt_id=attempt.pk, state="running")
+            if node.state == "waiting":
+                services.node_set_state(node_id=node.pk, state="running", wait_reason="", wait_detail={})
+            continue
+        if attempt.state == "waiting" and turn.status in {"ended", "interrupted", "merged"}:
+            services.attempt_set_state(attempt_id=attempt.pk, state="running")
+            attempt.state = "running"
+            if node.state == "waiting":
+                services.node_set_state(node_id=node.pk, state="running", wait_reason="", wait_detail={})
         if turn.status in {"running", "requires_action"} and attempt.state in {"preparing", "assigned"}:
             services.attempt_set_state(attempt_id=attempt.pk, state="running", heartbeat_at=timezone.now())
             if attempt.task.status == "dispatched":
@@ -497,6 +530,9 @@ def _settle_run(run: Run, waits: list[dict]) -> str:
 
 
 def _complete(run: Run, nodes: list[RunNode]) -> str:
+    if run.state == "paused":
+        # The last attempt finished while the run was paused: the run is over all the same.
+        run = services.run_set_state(run_id=run.pk, state="running")
     succeeded = [n for n in nodes if n.state == "succeeded"]
     failed = [n for n in nodes if n.state == "failed"]
     if not failed:

@@ -334,7 +334,9 @@ def session_resume(*, actor, session_id, context: str = "", client: str = "api",
             # Its questions are answered: the answers travel in the resume turn, so the waiting turn ends.
             services.turn_set_status(turn_id=last.pk, status=states.ENDED, actor=actor,
                                      data={"resolved_by": "resume"})
-        answer = _queue_turn(session, trigger="resume", prompt=prompt or "Continue where you left off.", actor=actor)
+        # A resumed attempt turn stays the attempt's: the run engine follows it.
+        answer = _queue_turn(session, trigger="resume", prompt=prompt or "Continue where you left off.", actor=actor,
+                             attempt_id=last.attempt_id if last is not None else None)
         _audit(actor, "session.resume", f"session:{session.pk}", "resume turn created", client=client, reason=reason,
                idempotency_key=idempotency_key)
     return answer

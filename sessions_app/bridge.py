@@ -168,6 +168,10 @@ def _push(connection_id) -> None:
         log.warning("could not wake the daemon of %s", connection_id, exc_info=True)
 
 
+def commands_pending(*, connection_id) -> bool:
+    return ControlCommand.objects.filter(connection_id=connection_id, state=states.CMD_PENDING).exists()
+
+
 def commands_to_deliver(*, connection_id) -> list[dict]:
     """Pending (and delivered but unacked) commands in order, marked delivered."""
     now = timezone.now()

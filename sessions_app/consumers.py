@@ -6,6 +6,7 @@ before they are pushed, so a reconnecting daemon gets every command it has not a
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 from channels.db import database_sync_to_async
@@ -27,8 +28,14 @@ def _bearer(scope) -> str | None:
     return None
 
 
+# The push through the channel layer is a wake-up only (it may be dropped, or come from a process
+# that shares no in-memory layer with this one): pending commands are also looked for this often.
+COMMAND_POLL_S = 2.0
+
+
 class DaemonConsumer(AsyncWebsocketConsumer):
     connection_id = None
+    poller = None
 
     async def connect(self):
         connection = await database_sync_to_async(bridge.connection_authenticate)(_bearer(self.scope))
@@ -42,8 +49,17 @@ class DaemonConsumer(AsyncWebsocketConsumer):
         await self._send({"type": protocol.WELCOME, "connection": str(connection.pk),
                           "heartbeat_interval_s": protocol.HEARTBEAT_INTERVAL_S,
                           "heartbeat_timeout_s": protocol.HEARTBEAT_TIMEOUT_S})
+        self.poller = asyncio.ensure_future(self._poll_commands())
+
+    async def _poll_commands(self):
+        while True:
+            await asyncio.sleep(COMMAND_POLL_S)
+            if await database_sync_to_async(bridge.commands_pending)(connection_id=self.connection_id):
+                await self.commands_push({})
 
     async def disconnect(self, code):
+        if self.poller is not None:
+            self.poller.cancel()
         if self.connection_id is None:
             return
         await self.channel_layer.group_discard(self.group, self.channel_name)

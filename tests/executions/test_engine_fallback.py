@@ -122,3 +122,60 @@ def test_blocked_outcome_keeps_work_and_waits_for_a_person():
     engine.run_tick_apply(run_id=run.pk)
     assert Attempt.objects.filter(task__node__run=run).count() == 1  # no automatic retry
     assert Run.objects.get(pk=run.pk).state == "waiting"
+
+
+def declared(nodes, connection):
+    from executions.workflows import workflow_create
+
+    revision = workflow_create(name=factories.unique("wf"), spec={"nodes": nodes})
+    run = engine.run_start(issue_id=factories.make_issue().pk, mode="declared", workflow_revision_id=revision.pk,
+                           target={"connection": str(connection.pk)})
+    engine.run_tick_apply(run_id=run.pk)
+    return run
+
+
+def test_a_due_timer_readies_its_dependents_in_the_same_tick_and_nodes_keep_workflow_order():
+    connection = live(factories.make_connection(cwds=["/srv/a"]))
+    keys = ["wait", "after", "z-last", "a-first"]
+    run = declared([{"key": "wait", "type": "timer", "seconds": 0},
+                    {"key": "after", "type": "agent", "depends_on": ["wait"], "prompt": "@outcome succeeded"},
+                    {"key": "z-last", "type": "approval", "depends_on": ["after"]},
+                    {"key": "a-first", "type": "approval", "depends_on": ["z-last"]}], connection)
+    engine.run_tick_apply(run_id=run.pk)
+    assert list(run.nodes.order_by("id").values_list("key", flat=True)) == keys
+    after = run.nodes.get(key="after")
+    assert after.state == "running" and Attempt.objects.filter(task__node=after).exists()
+
+
+def test_the_last_attempt_finishing_while_paused_completes_the_run():
+    from executions.actions import run_pause
+
+    connection = live(factories.make_connection(cwds=["/srv/a"]))
+    run = declared([{"key": "only", "type": "agent", "prompt": "@outcome succeeded"}], connection)
+    run_pause(actor=None, run_id=run.pk)
+    attempt = Attempt.objects.get(task__node__run=run)
+    finish_with(connection, attempt, "succeeded")
+    assert Run.objects.get(pk=run.pk).state == "succeeded"
+
+
+def test_a_question_parks_the_attempt_and_the_answer_continues_it():
+    connection = live(factories.make_connection(cwds=["/srv/a"]))
+    run = declared([{"key": "ask", "type": "agent", "prompt": "@require-approval Deploy?"}], connection)
+    attempt = Attempt.objects.get(task__node__run=run)
+    turn = attempt.turn
+    ask = {"kind": "confirmation", "items": [{"id": "q1", "text": "Deploy?"}]}
+    bridge._apply_advance(connection, turn.pk, {"report_id": str(uuid.uuid4()), "status": "running"})
+    bridge._apply_advance(connection, turn.pk, {"report_id": str(uuid.uuid4()), "status": "requires_action",
+                                                "requires_action": ask})
+    engine.run_tick_apply(run_id=run.pk)
+    run.refresh_from_db()
+    assert (run.state, run.wait_reason) == ("waiting", "approval")
+    assert Attempt.objects.get(pk=attempt.pk).state == "waiting"
+    from sessions_app.actions_api import turn_answer_actions
+
+    answer = turn_answer_actions(None, turn.pk, [{"id": "q1", "answer": "yes"}], None, None)
+    engine.run_tick_apply(run_id=run.pk)
+    attempt.refresh_from_db()
+    assert str(attempt.turn_id) == answer["turn"]  # the answer's turn belongs to the same attempt
+    finish_with(connection, attempt, "succeeded")
+    assert Run.objects.get(pk=run.pk).state == "succeeded"
