@@ -77,6 +77,7 @@ def issue_start_run_view(admin, request, object_id):
         try:
             run = engine.run_start(
                 issue_id=issue.pk, mode=values.get("mode", "direct"), actor=request.user, client="admin",
+                reason=values.get("reason") or None,
                 workflow_revision_id=values.get("workflow_revision") or None, target=target,
                 input={"prompt": values.get("prompt", "")} if values.get("prompt") else {})
         except ApplicationError as error:
@@ -85,8 +86,8 @@ def issue_start_run_view(admin, request, object_id):
             messages.success(request, "Run started.")
             return HttpResponseRedirect(reverse("admin:executions_run_change", args=[run.pk]))
     fields = [("mode", "Mode", "mode"), ("workflow_revision", "Workflow revision (declared)", "revision"),
-              ("prompt", "Prompt (direct; for declared runs: input.prompt)", "textarea"),
-              ("connection", "Connection (optional: any live one of the backend)", "connection")]
+              ("prompt", "Prompt (direct and adaptive; for declared runs: input.prompt)", "textarea"),
+              ("connection", "Connection", "any_connection")]
     return _page(admin, request, issue, {
         "title": f"Start a run of “{issue}”", "action_label": "Start run",
         "touched": ["A new run: each agent node becomes a task with its own session; every attempt is a real "

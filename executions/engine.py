@@ -42,7 +42,8 @@ _TEMPLATE = re.compile(r"\{\{\s*(input|issue)\.([A-Za-z_][A-Za-z0-9_]*)\s*\}\}")
 # ---------------------------------------------------------------- start
 def run_start(*, issue_id, mode: str, input: dict | None = None, workflow_revision_id=None, target: dict | None = None,
               policy: dict | None = None, actor=None, rerun_of=None, trigger: str = "manual",
-              client: str = "api", idempotency_key: str | None = None, parent_node=None) -> Run:
+              client: str = "api", idempotency_key: str | None = None, parent_node=None,
+              reason: str | None = None) -> Run:
     if mode not in states.RUN_MODES:
         raise ApplicationError("bad_request", f"unknown mode {mode!r}", {"allowed": states.RUN_MODES})
     if mode == "subrun" and parent_node is None:
@@ -84,7 +85,7 @@ def run_start(*, issue_id, mode: str, input: dict | None = None, workflow_revisi
         run = services.run_set_state(run_id=run.pk, state="running", actor=actor)
         _issue_to_in_progress(issue, actor)
         audit_record(actor=actor, action="run.start", target=f"run:{run.pk}", outcome="running", client=client,
-                     idempotency_key=idempotency_key)
+                     reason=reason, idempotency_key=idempotency_key)
         schedule_tick(run.pk)
     return run
 
