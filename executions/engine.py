@@ -12,7 +12,6 @@ failures a new task when the node's retry policy allows (``retry_of``).
 from __future__ import annotations
 
 import logging
-import re
 from datetime import timedelta
 
 from django.db import transaction
@@ -27,6 +26,7 @@ from sessions_app import services as session_services
 from sessions_app.models import Connection, Session, Turn
 
 from . import services, states
+from .prompts import fresh_context, node_prompt
 from .models import AgentTask, Approval, Attempt, Issue, Run, RunNode, WorkflowRevision
 
 log = logging.getLogger(__name__)
@@ -36,7 +36,6 @@ ACTIVE_TURN = {"pending", "running", "requires_action"}
 # Turn endings that say the machine failed, not the agent (§6.3).
 INFRA_REASONS = {"offline", "shutdown", "invalid_path"}
 INFRA_WAKE_KINDS = {"spawn_failed", "auth"}
-_TEMPLATE = re.compile(r"\{\{\s*(input|issue)\.([A-Za-z_][A-Za-z0-9_]*)\s*\}\}")
 
 
 # ---------------------------------------------------------------- start
@@ -318,18 +317,6 @@ def _task_session(run: Run, task: AgentTask, connection: Connection) -> Session:
     return session
 
 
-def node_prompt(run: Run, node: RunNode) -> str:
-    """The issue's title, body and acceptance criteria, then the node's prompt (§6.1)."""
-    issue = run.issue
-    values = {"input": run.input, "issue": {"title": issue.title, "body": issue.body,
-                                            "acceptance_criteria": issue.acceptance_criteria, "id": str(issue.pk)}}
-    template = node.config.get("prompt") or run.input.get("prompt", "")
-    body = _TEMPLATE.sub(lambda m: str(values[m.group(1)].get(m.group(2), "")), template)
-    parts = [f"Issue: {issue.title}", issue.body, f"Acceptance criteria: {issue.acceptance_criteria}"
-             if issue.acceptance_criteria else "", body]
-    return "\n\n".join(p for p in parts if p)
-
-
 def _dependency_done(ref: str) -> bool:
     if not _is_uuid(ref):
         return False
@@ -350,22 +337,6 @@ def _continue_if_dependency_cleared(run: Run, attempt: Attempt) -> None:
     services.attempt_set_state(attempt_id=attempt.pk, state="running", turn_id=answer["turn"], outcome=None)
     services.task_set_status(task_id=attempt.task_id, status="running")
     services.node_set_state(node_id=node.pk, state="running", wait_reason="", wait_detail={})
-
-
-def fresh_context(run: Run) -> str:
-    """A fresh session's first prompt is rebuilt from the issue, its comments and its artifacts —
-    never from process memory (§6.4)."""
-    issue = run.issue
-    lines = ["You continue work another agent could not finish (its machine is unavailable). Start from what "
-             "is recorded below, not from memory."]
-    comments = list(issue.comments.order_by("id")[:30])
-    if comments:
-        lines.append("Comments on the issue:")
-        lines += [f"- [{c.type}] {c.author}: {c.body[:500]}" for c in comments]
-    artifacts = list(issue.artifacts.order_by("id")[:30])
-    if artifacts:
-        lines.append("Artifacts: " + ", ".join(f"{a.name} ({a.kind}, sha256 {a.sha256[:12]})" for a in artifacts))
-    return "\n".join(lines)
 
 
 # ---------------------------------------------------------------- converge
