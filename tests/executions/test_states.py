@@ -7,11 +7,9 @@ and changes nothing: same row (version included), no event.
 
 from __future__ import annotations
 
-import threading
 import uuid
 
 import pytest
-from django.db import connection as db_connection
 
 from chorus_site.errors import ApplicationError
 from executions import services, states
@@ -28,6 +26,7 @@ from tests.factories import (
     make_user,
 )
 from tests.state_machines import assert_one_event, assert_refused, ids, pairs
+from tests.concurrency import run_together
 
 
 # ---------------------------------------------------------------- the tables against SPEC §3.2
@@ -307,29 +306,6 @@ def test_approval_version_conflict_changes_nothing():
 
 
 # ---------------------------------------------------------------- expected_version under races (PostgreSQL)
-def run_together(*calls, timeout=30):
-    barrier = threading.Barrier(len(calls))
-    outcomes: list = [None] * len(calls)
-
-    def worker(index, call):
-        try:
-            barrier.wait(timeout=timeout)
-            call()
-            outcomes[index] = "ok"
-        except ApplicationError as error:
-            outcomes[index] = error.code
-        except Exception as error:  # noqa: BLE001 - reported to the test
-            outcomes[index] = repr(error)
-        finally:
-            db_connection.close()
-
-    threads = [threading.Thread(target=worker, args=(i, call)) for i, call in enumerate(calls)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=timeout)
-        assert not thread.is_alive(), "a racing thread did not finish"
-    return outcomes
 
 
 @pytest.mark.postgres

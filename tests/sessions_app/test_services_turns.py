@@ -3,16 +3,15 @@
 from __future__ import annotations
 
 import base64
-import threading
 
 import pytest
-from django.db import connection as db_connection
 
 from chorus_site.errors import ApplicationError
 from chorus_site.models import Event
 from sessions_app import services, states
 from sessions_app.models import Session, Turn
 from tests.factories import events_since, last_event_id, make_session, make_turn
+from tests.concurrency import run_together
 
 SECRET = "sk-ant-api03-Zq8xW2vK9mL4pR7tY1uE6sD3fG5hJ0kA"
 
@@ -249,33 +248,6 @@ def test_stop_state_and_reason_travel_with_the_event():
 
 
 # ---------------------------------------------------------------- races (PostgreSQL)
-def run_together(*calls, timeout=30):
-    """Run each callable in its own thread, released at once by a barrier; returns their outcomes.
-
-    An outcome is "ok", the ApplicationError code, or the repr of any other exception.
-    """
-    barrier = threading.Barrier(len(calls))
-    outcomes: list = [None] * len(calls)
-
-    def worker(index, call):
-        try:
-            barrier.wait(timeout=timeout)
-            call()
-            outcomes[index] = "ok"
-        except ApplicationError as error:
-            outcomes[index] = error.code
-        except Exception as error:  # noqa: BLE001 - reported to the test
-            outcomes[index] = repr(error)
-        finally:
-            db_connection.close()
-
-    threads = [threading.Thread(target=worker, args=(i, call)) for i, call in enumerate(calls)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=timeout)
-        assert not thread.is_alive(), "a racing thread did not finish"
-    return outcomes
 
 
 @pytest.mark.postgres
