@@ -395,3 +395,52 @@ def session_handoff(*, actor, session_id, context: str = "", connection_id=None,
         _audit(actor, "session.handoff", f"session:{old.pk}", f"handed off to {new.pk}", client=client,
                reason=reason, idempotency_key=idempotency_key)
     return {**answer, "handoff_from": str(old.pk)}
+
+
+# ---------------------------------------------------------------- answers and draining
+def turn_answer(*, actor, turn_id, answers: list[dict], client: str = "api", reason: str | None = None,
+                idempotency_key: str | None = None) -> dict:
+    """Record answers to a turn's required actions; once all are answered the session resumes with them."""
+    with transaction.atomic():
+        turn = Turn.objects.select_for_update().filter(pk=turn_id).first()
+        if turn is None:
+            raise ApplicationError("not_found", "not found")
+        pending = turn.requires_action or {}
+        items = pending.get("items") or []
+        if not items:
+            raise ApplicationError("invalid_transition", "this turn asks for no action")
+        known = {str(item.get("id")) for item in items}
+        unknown = [a["id"] for a in answers if a["id"] not in known]
+        if unknown:
+            raise ApplicationError("bad_request", "unknown action items", {"unknown": unknown})
+        by_id = {a["id"]: a["answer"] for a in answers}
+        for item in items:
+            if str(item.get("id")) in by_id:
+                item.update(answered=True, answer=by_id[str(item["id"])])
+        Turn.objects.filter(pk=turn.pk).update(requires_action={**pending, "items": items})
+        event_append(stream=turn.stream, kind="turn.answered", actor=actor_name(actor),
+                     data={"id": str(turn.pk), "answered": sorted(by_id)})
+        _audit(actor, "turn.answer", f"turn:{turn.pk}", f"{len(by_id)} answered", client=client, reason=reason,
+               idempotency_key=idempotency_key)
+        all_answered = all(item.get("answered") for item in items)
+        answer = {"changed": True, "all_answered": all_answered}
+        if all_answered and turn.status != states.RUNNING:
+            text = "\n".join(f"{item.get('text')}: {item.get('answer')}" for item in items)
+            answer.update(session_resume(actor=actor, session_id=turn.session_id, context=text, client=client,
+                                         reason=reason))
+    return answer
+
+
+def connection_drain(*, actor, connection_id, drain: bool, client: str = "api",
+                     idempotency_key: str | None = None) -> dict:
+    """Draining takes no new work on a connection (ops_admin); undraining returns it to its live status."""
+    connection = _get(Connection, connection_id)
+    if drain == (connection.status == states.CONN_DRAINING):
+        return {"changed": False, "status": connection.status}
+    target = states.CONN_DRAINING if drain else (
+        states.CONN_ONLINE if selectors.connection_is_live(connection) else states.CONN_OFFLINE)
+    with transaction.atomic():
+        connection = services.connection_set_status(connection_id=connection.pk, status=target, actor=actor)
+        _audit(actor, f"connection.{'drain' if drain else 'undrain'}", f"connection:{connection.pk}",
+               connection.status, client=client, idempotency_key=idempotency_key)
+    return {"changed": True, "status": connection.status}

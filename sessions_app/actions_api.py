@@ -4,16 +4,15 @@ from __future__ import annotations
 
 from uuid import UUID
 
-from django.db import transaction
 from ninja import Schema
 
 from chorus_site.api import ErrorBody, act, require_perm
 from chorus_site.audit import audit_record
 from chorus_site.errors import ApplicationError
 
-from . import actions, services, states
+from . import actions, services
 from .api import router  # one router per app: ninja serves one path from one router only
-from .models import Connection, Turn
+from .models import Connection
 
 ERRORS = {400: ErrorBody, 401: ErrorBody, 403: ErrorBody, 404: ErrorBody, 409: ErrorBody, 422: ErrorBody}
 
@@ -129,36 +128,9 @@ def turn_mark_interrupted(request, turn_id: UUID, body: ReasonIn = None):
              summary="Answer a turn's required actions")
 def turn_answer(request, turn_id: UUID, body: AnswersIn):
     return act(request, perm="sessions_app.answer_turn", route=f"turns.actions:{turn_id}", body=body.dict(),
-               action=lambda user, key: turn_answer_actions(user, turn_id, [a.dict() for a in body.answers],
-                                                            body.reason, key))
-
-
-def turn_answer_actions(user, turn_id, answers, reason, key) -> dict:
-    with transaction.atomic():
-        turn = Turn.objects.select_for_update().filter(pk=turn_id).first()
-        if turn is None:
-            raise ApplicationError("not_found", "not found")
-        pending = turn.requires_action or {}
-        items = pending.get("items") or []
-        if not items:
-            raise ApplicationError("invalid_transition", "this turn asks for no action")
-        known = {str(item.get("id")) for item in items}
-        unknown = [a["id"] for a in answers if a["id"] not in known]
-        if unknown:
-            raise ApplicationError("bad_request", "unknown action items", {"unknown": unknown})
-        by_id = {a["id"]: a["answer"] for a in answers}
-        for item in items:
-            if str(item.get("id")) in by_id:
-                item.update(answered=True, answer=by_id[str(item["id"])])
-        Turn.objects.filter(pk=turn.pk).update(requires_action={**pending, "items": items})
-        audit_record(actor=user, action="turn.answer", target=f"turn:{turn.pk}", outcome=f"{len(by_id)} answered",
-                     client="api", reason=reason, idempotency_key=key)
-        all_answered = all(item.get("answered") for item in items)
-        answer = {"changed": True, "all_answered": all_answered}
-        if all_answered and turn.status != states.RUNNING:
-            text = "\n".join(f"{item.get('text')}: {item.get('answer')}" for item in items)
-            answer.update(actions.session_resume(actor=user, session_id=turn.session_id, context=text, reason=reason))
-    return answer
+               action=lambda user, key: actions.turn_answer(actor=user, turn_id=turn_id,
+                                                            answers=[a.dict() for a in body.answers],
+                                                            reason=body.reason, idempotency_key=key))
 
 
 @router.post("/connections", response={201: dict, **ERRORS}, summary="Register a connection (key shown once)")
@@ -178,30 +150,18 @@ def connection_register(request, body: ConnectionIn):
                status=201, action=register)
 
 
-def _drain(request, connection_id, to):
-    def drain(user, key):
-        connection = Connection.objects.filter(pk=connection_id).first()
-        if connection is None:
-            raise ApplicationError("not_found", "not found")
-        if (to == states.CONN_DRAINING) == (connection.status == states.CONN_DRAINING):
-            return {"changed": False, "status": connection.status}
-        target = to if to == states.CONN_DRAINING else (
-            states.CONN_ONLINE if connection.last_heartbeat_at else states.CONN_OFFLINE)
-        connection = services.connection_set_status(connection_id=connection.pk, status=target, actor=user)
-        audit_record(actor=user, action=f"connection.{'drain' if to == states.CONN_DRAINING else 'undrain'}",
-                     target=f"connection:{connection.pk}", outcome=connection.status, client="api",
-                     idempotency_key=key)
-        return {"changed": True, "status": connection.status}
-
-    return act(request, perm="sessions_app.drain_connection", route=f"connections.{to}:{connection_id}", body={},
-               action=drain)
+def _drain(request, connection_id, drain: bool):
+    return act(request, perm="sessions_app.drain_connection",
+               route=f"connections.{'drain' if drain else 'undrain'}:{connection_id}", body={},
+               action=lambda user, key: actions.connection_drain(actor=user, connection_id=connection_id, drain=drain,
+                                                                 idempotency_key=key))
 
 
 @router.post("/connections/{connection_id}/drain", response={200: dict, **ERRORS}, summary="Drain (admin)")
 def connection_drain(request, connection_id: UUID):
-    return _drain(request, connection_id, states.CONN_DRAINING)
+    return _drain(request, connection_id, True)
 
 
 @router.post("/connections/{connection_id}/undrain", response={200: dict, **ERRORS}, summary="Undrain (admin)")
 def connection_undrain(request, connection_id: UUID):
-    return _drain(request, connection_id, states.CONN_ONLINE)
+    return _drain(request, connection_id, False)

@@ -171,9 +171,9 @@ def test_a_question_parks_the_attempt_and_the_answer_continues_it():
     run.refresh_from_db()
     assert (run.state, run.wait_reason) == ("waiting", "approval")
     assert Attempt.objects.get(pk=attempt.pk).state == "waiting"
-    from sessions_app.actions_api import turn_answer_actions
+    from sessions_app.actions import turn_answer
 
-    answer = turn_answer_actions(None, turn.pk, [{"id": "q1", "answer": "yes"}], None, None)
+    answer = turn_answer(actor=None, turn_id=turn.pk, answers=[{"id": "q1", "answer": "yes"}])
     engine.run_tick_apply(run_id=run.pk)
     attempt.refresh_from_db()
     assert str(attempt.turn_id) == answer["turn"]  # the answer's turn belongs to the same attempt

@@ -326,3 +326,13 @@ def test_a_stop_with_survivors_is_not_confirmed(operator, connection):
     assert actions.turn_stop_deadline_check(turn_id=turn.pk) is True
     turn.refresh_from_db()
     assert turn.stop_state == "unconfirmed"  # in doubt, visibly
+
+
+def test_only_ops_admin_drains_and_undrain_returns_to_the_live_status(operator, ops_admin_user, connection):
+    url = f"/api/v1/connections/{connection.pk}"
+    assert post(api(operator), url + "/drain").status_code == 403
+    drained = post(api(ops_admin_user), url + "/drain").json()
+    assert drained == {"changed": True, "status": "draining"}
+    assert post(api(ops_admin_user), url + "/drain").json()["changed"] is False
+    Connection.objects.filter(pk=connection.pk).update(last_heartbeat_at=timezone.now() - timedelta(minutes=5))
+    assert post(api(ops_admin_user), url + "/undrain").json()["status"] == "offline"  # stale: not online
