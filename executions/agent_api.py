@@ -16,9 +16,9 @@ from chorus_site.audit import audit_record
 from chorus_site.errors import ApplicationError
 from chorus_site.idempotency import idempotent_call
 
-from . import engine, selectors as sel, services, states
+from . import engine, selectors as sel, services
 from .api import ERRORS, router
-from .models import Attempt, Issue, Run
+from .models import Attempt, Issue
 from .task_tokens import attempt_for_task_token
 
 
@@ -76,29 +76,9 @@ class ArtifactIn(Schema):
 def attempt_outcome(request, attempt_id: UUID, body: OutcomeIn):
     if not isinstance(request.auth, Attempt) or request.auth.pk != attempt_id:
         raise ApplicationError("forbidden", "a task token may report only its own attempt")
-    if body.intent not in states.OUTCOMES:
-        raise ApplicationError("bad_request", f"intent must be one of {states.OUTCOMES}")
-    if body.intent == "waiting" and not (body.ref and _dependency_exists(body.ref)):
-        raise ApplicationError("bad_request", "a waiting outcome needs ref: the id of an existing issue or run")
-
-    def record(attempt):
-        if attempt.state in states.ATTEMPT_TERMINAL:
-            raise ApplicationError("invalid_transition", f"the attempt is already {attempt.state}")
-        outcome = {"intent": body.intent, "summary": (body.summary or "")[:2000], "waiting_on": body.ref}
-        Attempt.objects.filter(pk=attempt.pk).update(outcome=outcome)
-        from chorus_site.events import event_append
-
-        event_append(stream=f"run:{attempt.task.node.run_id}", kind="attempt.outcome",
-                     data={"id": str(attempt.pk), **outcome})
-        return 200, {"recorded": outcome}
-
-    return _agent_call(request, route=f"attempts.outcome:{attempt_id}", body=body.dict(), action=record)
-
-
-def _dependency_exists(ref: str) -> bool:
-    if not engine._is_uuid(ref):
-        return False
-    return Issue.objects.filter(pk=ref).exists() or Run.objects.filter(pk=ref).exists()
+    return _agent_call(request, route=f"attempts.outcome:{attempt_id}", body=body.dict(),
+                       action=lambda attempt: (200, {"recorded": services.attempt_record_outcome(
+                           attempt_id=attempt.pk, intent=body.intent, ref=body.ref, summary=body.summary)}))
 
 
 @router.post("/runs/{run_id}/nodes", auth=TaskTokenAuth(), response={200: dict, **ERRORS},

@@ -87,6 +87,36 @@ def attempt_set_state(*, attempt_id, state: str, actor=None, **updates) -> Attem
     )
 
 
+def attempt_record_outcome(*, attempt_id, intent: str, ref: str | None = None, summary: str | None = None) -> dict:
+    """An agent's outcome intent (§6.5); the engine decides with it when the attempt's turn ends.
+    ``waiting`` needs a real dependency: the id of an existing issue or run."""
+    if intent not in states.OUTCOMES:
+        raise ApplicationError("bad_request", f"intent must be one of {states.OUTCOMES}")
+    if intent == "waiting" and not (ref and _work_exists(ref)):
+        raise ApplicationError("bad_request", "a waiting outcome needs ref: the id of an existing issue or run")
+    with transaction.atomic():
+        attempt = Attempt.objects.select_for_update().filter(pk=attempt_id).first()
+        if attempt is None:
+            raise ApplicationError("not_found", "not found")
+        if attempt.state in states.ATTEMPT_TERMINAL:
+            raise ApplicationError("invalid_transition", f"the attempt is already {attempt.state}")
+        outcome = {"intent": intent, "summary": (summary or "")[:2000], "waiting_on": ref}
+        Attempt.objects.filter(pk=attempt.pk).update(outcome=outcome)
+        event_append(stream=_run_stream_of(Attempt, attempt.pk), kind="attempt.outcome",
+                     data={"id": str(attempt.pk), **outcome})
+    return outcome
+
+
+def _work_exists(ref: str) -> bool:
+    import uuid
+
+    try:
+        uuid.UUID(str(ref))
+    except ValueError:
+        return False
+    return Issue.objects.filter(pk=ref).exists() or Run.objects.filter(pk=ref).exists()
+
+
 def issue_set_status(*, issue_id, status: str, actor=None, expected_version: int | None = None) -> Issue:
     """Issue workflow; ``blocked`` remembers where it came from and may only return there."""
     with transaction.atomic():
