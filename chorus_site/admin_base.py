@@ -12,7 +12,8 @@ from django.db.models import Q
 from django.utils.functional import cached_property
 from django.utils.html import format_html
 
-from .models import AuditEntry, Event
+from .audit import audit_entries_for
+from .models import Event
 
 COUNT_CAP = 10_000
 
@@ -148,7 +149,7 @@ class OpsAdmin(admin.ModelAdmin):
             context.update({
                 "chorus_timeline": self.timeline(obj),
                 "chorus_streams": [stream] if stream else [],
-                "chorus_audit": list(AuditEntry.objects.filter(target=f"{self.model._meta.model_name}:{obj.pk}")[:50]),
+                "chorus_audit": list(audit_entries_for(f"{self.model._meta.model_name}:{obj.pk}")[:50]),
                 **self.extra_detail_context(request, obj),
             })
         return super().change_view(request, object_id, form_url, extra_context=context)

@@ -25,7 +25,6 @@ from .redaction import redact_data
 log = logging.getLogger(__name__)
 
 DASHBOARD_GROUP = "dashboard"
-STREAM_KINDS = ("session", "run", "connection")
 
 
 def stream_group(stream: str) -> str:
@@ -157,10 +156,6 @@ def events_after(stream: str, cursor: int | None, *, limit: int = 500) -> list[E
         cursor = 0
     check_cursor(stream, cursor)
     return list(Event.objects.filter(stream=stream, id__gt=cursor).order_by("id")[:limit])
-
-
-def stream_head(stream: str) -> int:
-    return EventStream.objects.filter(name=stream).values_list("last_event_id", flat=True).first() or 0
 
 
 def events_purge_expired(*, now=None, batch: int = 10_000) -> int:

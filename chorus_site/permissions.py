@@ -100,8 +100,3 @@ def has_ops_role(user) -> bool:
 
 def can_view_diagnostics(user) -> bool:
     return bool(user and user.is_authenticated and user.is_active and user.has_perm(VIEW_DIAGNOSTICS))
-
-
-def stream_visible_to(user, stream: str) -> bool:
-    """Who may follow a stream live: any ops role, for streams of objects that exist."""
-    return has_ops_role(user)

@@ -20,10 +20,6 @@ def sources_of(table: Mapping[str, set[str]], target: str) -> list[str]:
     return sorted(src for src, targets in table.items() if target in targets)
 
 
-def is_allowed(table: Mapping[str, set[str]], source: str, target: str) -> bool:
-    return target in table.get(source, set())
-
-
 def transition(
     *,
     model,

@@ -66,12 +66,6 @@ class ConnectionAdmin(OpsAdmin):
         return {"can_start": request.user.has_perm("sessions_app.start_session")}
 
 
-class TurnLinkMixin:
-    @admin.display(description="turn")
-    def turn_link(self, obj):
-        return f"#{obj.seq}"  # the changelist makes the first column the link
-
-
 @admin.register(Session)
 class SessionAdmin(OpsAdmin):
     list_display = ["title", "idea_key", "connection", "cwd", "backend", "status_badge", "last_turn_at"]
@@ -115,7 +109,7 @@ class SessionAdmin(OpsAdmin):
 
 
 @admin.register(Turn)
-class TurnAdmin(TurnLinkMixin, OpsAdmin):
+class TurnAdmin(OpsAdmin):
     list_display = ["turn_link", "session", "status_badge", "trigger", "interrupted_reason", "stop_state_badge",
                     "started_at", "ended_at"]
     list_filter = ["status", "interrupted_reason", "trigger", "stop_state"]
@@ -158,6 +152,10 @@ class TurnAdmin(TurnLinkMixin, OpsAdmin):
 
     def has_mark_interrupted_permission(self, request):
         return request.user.has_perm("sessions_app.mark_interrupted_turn")
+
+    @admin.display(description="turn")
+    def turn_link(self, obj):
+        return f"#{obj.seq}"  # the changelist makes the first column the link
 
     @admin.display(description="status", ordering="status")
     def status_badge(self, obj):
