@@ -38,13 +38,33 @@ def _ttl_cutoff():
     return timezone.now() - timedelta(hours=settings.CHORUS_IDEMPOTENCY_TTL_HOURS)
 
 
+WITHHELD_MESSAGE = ("already created; the secret was shown once, in the first answer, and is not kept: "
+                    "rotate it to get a new one")
+
+
+def withhold_secrets(answer, secret_fields: tuple[str, ...]):
+    """The answer as it may be stored and replayed: each of ``secret_fields`` set to None.
+
+    ``secret_fields`` of an answer (a one-time key) reach the first caller only: the record
+    keeps, and a replay answers, the rest with this note (SPEC §8, §7).
+    """
+    if not secret_fields or not isinstance(answer, dict) or not any(answer.get(f) for f in secret_fields):
+        return answer
+    withheld = sorted(f for f in secret_fields if answer.get(f))
+    return {**answer, **{f: None for f in withheld}, "withheld": withheld, "message": WITHHELD_MESSAGE}
+
+
 def idempotent_call(
     *, user, route: str, key: str | None, body, action: Callable[[], Answer], scope: str | None = None,
+    secret_fields: tuple[str, ...] = (),
+    record_refusals: bool = True,
 ) -> tuple[int, dict, bool]:
     """Run ``action`` once per (scope, route, key); returns (status, body, replayed).
 
     The scope defaults to the user ("user:<id>", or "anonymous"); daemon reports pass
-    "connection:<id>".
+    "connection:<id>".  With ``record_refusals=False`` a refusal (status >= 400) is not kept: the
+    same key asks again later and is decided on the state then (a daemon retries a refused report,
+    e.g. once its snapshot has reconciled the turn); only an applied answer is replayed.
     """
     key = validate_key(key)
     if key is None:
@@ -54,17 +74,25 @@ def idempotent_call(
     user_id = getattr(user, "pk", None)
     scope = scope or (f"user:{user_id}" if user_id is not None else "anonymous")
     IdempotencyRecord.objects.filter(scope=scope, route=route, key=key, created_at__lt=_ttl_cutoff()).delete()
-    try:
-        with transaction.atomic():
-            record = IdempotencyRecord.objects.create(scope=scope, user_id=user_id, route=route, key=key,
-                                                      request_hash=digest)
+    with transaction.atomic():
+        # The savepoint guards the record insert only: an IntegrityError of the action itself is the
+        # action's error and surfaces as such, never as "a request with this key is in progress".
+        try:
+            with transaction.atomic():
+                record = IdempotencyRecord.objects.create(scope=scope, user_id=user_id, route=route, key=key,
+                                                          request_hash=digest)
+        except IntegrityError:
+            record = None
+        if record is not None:
             status, answer = _run(action)
-            IdempotencyRecord.objects.filter(pk=record.pk).update(
-                state=IdempotencyRecord.STATE_DONE, response_status=status, response_body=answer
-            )
+            if status >= 400 and not record_refusals:
+                record.delete()  # the caller retries a refusal and wants it decided again, not replayed
+            else:
+                IdempotencyRecord.objects.filter(pk=record.pk).update(
+                    state=IdempotencyRecord.STATE_DONE, response_status=status,
+                    response_body=withhold_secrets(answer, secret_fields),
+                )
             return status, answer, False
-    except IntegrityError:
-        pass
     record = IdempotencyRecord.objects.filter(scope=scope, route=route, key=key).first()
     if record is None or record.state != IdempotencyRecord.STATE_DONE:
         raise ApplicationError("idempotency_in_progress", "a request with this Idempotency-Key is still running; retry shortly")

@@ -134,6 +134,43 @@ def test_an_unexpected_error_records_nothing_so_a_retry_acts(user):
     assert (action.calls, action.effects) == (2, 1)
 
 
+@pytest.mark.django_db
+def test_the_actions_own_integrity_error_surfaces_as_itself(user):
+    """Issue 7 item 3: only the record insert is guarded; a unique violation inside the action is the
+    action's error (not 409 idempotency_in_progress), and nothing is recorded, so a retry acts."""
+    from django.contrib.auth import get_user_model
+    from django.db import IntegrityError
+
+    def duplicate_username():
+        get_user_model().objects.create(username=user.username)
+
+    action = Action(before=duplicate_username)
+    with pytest.raises(IntegrityError):
+        call(user, "k-ie", {"a": 1}, action)
+    assert not IdempotencyRecord.objects.exists()
+    assert action.effects == 0
+    action.before = None
+    assert call(user, "k-ie", {"a": 1}, action) == (201, action.answer[1], False)
+
+
+@pytest.mark.django_db
+def test_refusals_are_decided_again_when_not_recorded(user):
+    """Daemon reports: a refused report retried later is decided on the state then, not replayed."""
+    refusal = ApplicationError("invalid_transition", "turn already ended")
+    action = Action(refuse=refusal)
+
+    def daemon_call():
+        return idempotent_call(user=None, scope="connection:c1", route="daemon.advance", key="r-1", body={},
+                               action=action, record_refusals=False)
+
+    assert daemon_call() == (409, refusal.as_body(), False)
+    assert not IdempotencyRecord.objects.exists()
+    action.refuse = None
+    assert daemon_call() == (201, action.answer[1], False)
+    assert daemon_call() == (201, action.answer[1], True)
+    assert (action.calls, action.effects) == (2, 1)
+
+
 # ---------------------------------------------------------------- key rules
 @pytest.mark.django_db
 @pytest.mark.parametrize("key", ["", "x" * 256, "line\nbreak", "tab\there", "\x00"])
