@@ -32,6 +32,7 @@ class AuditEntryAdmin(OpsAdmin):
 class IdempotencyRecordAdmin(OpsAdmin):
     list_display = ["key", "user", "route", "state", "response_status", "created_at"]
     list_select_related = ["user"]
+    redacted_fields = ("response_body",)  # an answer may have carried a one-time key (SPEC §8)
 
 
 @admin.register(ApiToken)

@@ -14,6 +14,7 @@ from django.utils.html import format_html
 
 from .audit import audit_entries_for
 from .models import Event
+from .redaction import redact_data
 
 COUNT_CAP = 10_000
 
@@ -81,6 +82,14 @@ def live_badge(obj, field: str = "status", label: str | None = None):
     )
 
 
+def _redacted_display(name: str):
+    @admin.display(description=f"{name} (redacted)")
+    def show(self, obj):
+        return json.dumps(redact_data(getattr(obj, name)), indent=1, sort_keys=True, default=str)
+
+    return show
+
+
 class OpsAdmin(admin.ModelAdmin):
     """Read-mostly admin for ops records: services change state, never this form."""
 
@@ -119,8 +128,21 @@ class OpsAdmin(admin.ModelAdmin):
     def has_change_permission(self, request, obj=None):
         return False  # read-only: state changes go through actions, i.e. services
 
+    # JSON fields that may hold a credential: never shown raw, only as ``<name>_redacted``
+    # (through redact_data: values under secret-like names are masked, strings are redacted).
+    redacted_fields: tuple[str, ...] = ()
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        for name in cls.redacted_fields:
+            setattr(cls, f"{name}_redacted", _redacted_display(name))
+
+    def get_exclude(self, request, obj=None):
+        return [*(super().get_exclude(request, obj) or []), *self.redacted_fields]
+
     def get_readonly_fields(self, request, obj=None):
-        return [f.name for f in self.model._meta.fields] + list(self.readonly_fields)
+        return ([f.name for f in self.model._meta.fields if f.name not in self.redacted_fields]
+                + [f"{name}_redacted" for name in self.redacted_fields] + list(self.readonly_fields))
 
     # -- timeline and live streams on the detail page
     def object_stream(self, obj) -> str | None:

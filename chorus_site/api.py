@@ -106,12 +106,16 @@ def require_perm(request, perm: str):
     return user
 
 
-def act(request, *, perm: str, route: str, body: dict, action, status: int = 200):
-    """Permission, idempotency (Idempotency-Key header) and the answer of one acting route."""
+def act(request, *, perm: str, route: str, body: dict, action, status: int = 200,
+        secret_fields: tuple[str, ...] = ()):
+    """Permission, idempotency (Idempotency-Key header) and the answer of one acting route.
+
+    ``secret_fields``: parts of the answer shown once and never kept in the idempotency record.
+    """
     user = require_perm(request, perm)
     key = request.headers.get("Idempotency-Key")
     code, answer, _ = idempotent_call(user=user, route=route, key=key, body=body,
-                                      action=lambda: (status, action(user, key)))
+                                      action=lambda: (status, action(user, key)), secret_fields=secret_fields)
     return Status(code, answer)
 
 

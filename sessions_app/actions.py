@@ -23,7 +23,6 @@ from chorus_site.scheduling import run_later
 
 from . import selectors, services, states
 from .bridge import command_send
-from .listeners import turn_env
 from .models import Connection, ControlCommand, Session, Turn
 
 STOP_CONFIRM_MARGIN_S = 5
@@ -58,7 +57,9 @@ def _start_command_of(turn_id) -> ControlCommand | None:
 def _turn_payload(turn: Turn, session: Session) -> dict:
     return {
         "session": str(session.pk), "cwd": session.cwd, "prompt": turn.prompt, "backend": session.backend,
-        "backend_session_id": session.backend_session_id, "trigger": turn.trigger, "env": turn_env(turn),
+        "backend_session_id": session.backend_session_id, "trigger": turn.trigger,
+        # No "env" here: it holds the attempt's task token, a secret that is never stored;
+        # bridge.commands_to_deliver adds it on the wire only (SPEC §7).
         "timeout_s": None,
     }
 
@@ -84,7 +85,9 @@ def session_dispatch(*, session_id) -> Turn | None:
                 first.prompt = f"{first.prompt}\n\n{later.prompt}"
                 services.turn_set_status(turn_id=later.pk, status=states.MERGED, merged_into=first,
                                          data={"merged_into": str(first.pk)})
-        Turn.objects.filter(pk=first.pk).update(prompt=first.prompt)
+        # The turn runs where it is sent: its commands and reports stay with that connection even if
+        # the session moves while it runs (§3.1).
+        Turn.objects.filter(pk=first.pk).update(prompt=first.prompt, connection_id=session.connection_id)
         action = protocol.RESUME if first.trigger == "resume" else protocol.START_TURN
         command_send(connection_id=session.connection_id, action=action, turn_id=first.pk,
                      payload=_turn_payload(first, session))
@@ -215,7 +218,7 @@ def turn_interrupt(*, actor, turn_id, client: str = "api", reason: str | None = 
         if turn.status not in {states.RUNNING, states.REQUIRES_ACTION, states.PENDING}:
             raise ApplicationError("invalid_transition", f"a turn that is {turn.status_label} cannot be interrupted",
                                    {"status": turn.status})
-        connection = turn.session.connection
+        connection = selectors.turn_runner_connection(turn)  # not the session's: it may have moved since
         timeout = connection.sigint_timeout_s
         deadline = timezone.now() + timedelta(seconds=timeout + STOP_CONFIRM_MARGIN_S)
         turn = services.turn_set_stop_state(turn_id=turn.pk, stop_state=states.STOP_REQUESTED, actor=actor,
@@ -274,7 +277,7 @@ def turn_gather_evidence(*, turn_id, probe_wait_s: float = PROBE_WAIT_S) -> dict
     turn = _get(Turn, turn_id)
     if turn.status not in {states.RUNNING, states.REQUIRES_ACTION}:
         return {"basis": "not_running", "status": turn.status}
-    connection = turn.session.connection
+    connection = selectors.turn_runner_connection(turn)  # the evidence is about the daemon that runs it
     evidence = _evidence_without_probe(turn, connection)
     if evidence is not None:
         return evidence
@@ -327,7 +330,7 @@ def session_resume(*, actor, session_id, context: str = "", client: str = "api",
         raise ApplicationError(code, preflight["refusal"], {"preflight": _jsonable(preflight)})
     last = session.turns.order_by("-seq").first()
     prompt = context.strip()
-    if preflight["last_turn_reason"] == states.REASON_CRASH:
+    if preflight["last_turn_reason"] in {states.REASON_CRASH, states.REASON_OFFLINE}:  # offline resumes like a crash
         prompt = f"{CRASH_PREFACE}\n\n{prompt}".strip()
     with transaction.atomic():
         if last is not None and last.status == states.REQUIRES_ACTION:

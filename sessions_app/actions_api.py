@@ -147,7 +147,7 @@ def connection_register(request, body: ConnectionIn):
         return {"id": str(connection.pk), "name": connection.name, "key": secret}
 
     return act(request, perm="sessions_app.add_connection", route="connections.register", body=body.dict(),
-               status=201, action=register)
+               status=201, action=register, secret_fields=("key",))
 
 
 def _drain(request, connection_id, drain: bool):

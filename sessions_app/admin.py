@@ -215,6 +215,7 @@ class ControlCommandAdmin(OpsAdmin):
     list_select_related = ["connection", "turn"]
     raw_id_fields = ["connection", "turn"]
     live_streams = ("dashboard",)
+    redacted_fields = ("payload", "result")
 
     @admin.display(description="state", ordering="state")
     def state_badge(self, obj):

@@ -21,14 +21,14 @@ from chorus_site.errors import ApplicationError
 from chorus_site.events import event_append, events_append_many
 from chorus_site.idempotency import idempotent_call
 
-from . import services, states
+from . import daemon_schemas, services, states
+from .listeners import turn_env
 from .models import Connection, ControlCommand, Session, Turn
 
 log = logging.getLogger(__name__)
 
 HEARTBEAT_TIMEOUT = timedelta(seconds=protocol.HEARTBEAT_TIMEOUT_S)
 COMMAND_TTL = timedelta(hours=1)
-EVENTS_PER_REPORT_MAX = 1000
 
 
 def daemon_group(connection_id) -> str:
@@ -136,9 +136,13 @@ def connections_sweep_stale(*, now=None) -> dict:
         except ApplicationError:
             pass
     settled = 0
-    stale = Turn.objects.filter(status__in=[states.RUNNING, states.REQUIRES_ACTION]).exclude(
-        session__connection__last_heartbeat_at__gte=cutoff)
-    for turn_id in stale.values_list("pk", flat=True):
+    # A turn's own connection decides (a session may have moved while the turn runs elsewhere).
+    active = Turn.objects.filter(status__in=[states.RUNNING, states.REQUIRES_ACTION])
+    stale = set(active.filter(connection__isnull=False).exclude(
+        connection__last_heartbeat_at__gte=cutoff).values_list("pk", flat=True))
+    stale |= set(active.filter(connection__isnull=True).exclude(
+        session__connection__last_heartbeat_at__gte=cutoff).values_list("pk", flat=True))
+    for turn_id in sorted(stale):
         try:
             services.turn_set_status(
                 turn_id=turn_id, status=states.INTERRUPTED, reason=states.REASON_OFFLINE,
@@ -185,8 +189,22 @@ def commands_to_deliver(*, connection_id) -> list[dict]:
         if command.state == states.CMD_PENDING:
             _set_command_state(command.pk, states.CMD_DELIVERED, delivered_at=now)
         out.append({"type": protocol.COMMAND, "id": str(command.pk), "action": command.action,
-                    "turn": str(command.turn_id) if command.turn_id else None, "payload": command.payload})
+                    "turn": str(command.turn_id) if command.turn_id else None, "payload": _wire_payload(command)})
     return out
+
+
+def _wire_payload(command: ControlCommand) -> dict:
+    """The stored payload plus what is sent on the wire only: the agent's environment.
+
+    That environment holds the attempt's task token, a credential that is computed here at each
+    delivery and never stored (a viewer who can read command rows must not obtain it).
+    """
+    payload = dict(command.payload or {})
+    if command.turn_id and command.action in {protocol.START_TURN, protocol.RESUME}:
+        turn = Turn.objects.filter(pk=command.turn_id).first()
+        if turn is not None:
+            payload["env"] = {**(payload.get("env") or {}), **turn_env(turn)}
+    return payload
 
 
 def command_acked(*, connection_id, command_id) -> None:
@@ -202,6 +220,32 @@ def command_result(*, connection_id, command_id, result: dict) -> None:
     if command.state in {states.CMD_PENDING, states.CMD_DELIVERED}:
         _set_command_state(command.pk, states.CMD_ACKED, acked_at=timezone.now())
     _set_command_state(command.pk, states.CMD_DONE, result=result)
+    if command.action == protocol.INTERRUPT and command.turn_id and result.get("held") is False:
+        _settle_interrupt_not_held(command)
+
+
+def _settle_interrupt_not_held(command: ControlCommand) -> None:
+    """A daemon asked to interrupt a turn it does not hold answers "not held" (§4.1).
+
+    That settles the turn only when that daemon is the one that runs it: the word of any other
+    connection says nothing about the agent's process.
+    """
+    turn = Turn.objects.select_related("session").filter(pk=command.turn_id).first()
+    if turn is None or turn.status not in {states.RUNNING, states.REQUIRES_ACTION}:
+        return
+    if _runner_id(turn) != command.connection_id:
+        log.warning("interrupt of turn %s answered 'not held' by %s, which does not run it; not settled",
+                    turn.pk, command.connection_id)
+        return
+    evidence = {"basis": "interrupt_not_held", "command": str(command.pk), "connection": str(command.connection_id),
+                "at": timezone.now().isoformat()}
+    try:
+        services.turn_set_status(turn_id=turn.pk, status=states.INTERRUPTED, reason=states.REASON_USER,
+                                 stop_state=states.STOP_CONFIRMED, interrupt_evidence=evidence,
+                                 data={"evidence": evidence["basis"]})
+    except ApplicationError:
+        return  # its own report (ended, interrupted) got there first
+    _dispatch_next(turn.session_id)
 
 
 def _set_command_state(command_id, state, **updates):
@@ -212,21 +256,27 @@ def _set_command_state(command_id, state, **updates):
 
 
 # ---------------------------------------------------------------- reports
+def _runner_id(turn: Turn):
+    """The connection that runs the turn (set at dispatch); before that, its session's."""
+    return turn.connection_id or turn.session.connection_id
+
+
 def _owned_turn(connection: Connection, turn_id) -> Turn:
     turn = Turn.objects.select_related("session").filter(pk=turn_id).first()
-    if turn is None or turn.session.connection_id != connection.pk:
-        # A daemon learns nothing about other connections' turns.
+    if turn is None or _runner_id(turn) != connection.pk:
+        # A daemon reports only on turns it runs: not another connection's, nor a turn of a session
+        # that moved here while the turn still runs elsewhere.  It learns nothing about them.
         raise ApplicationError("not_found", "no such turn on this connection")
     return turn
 
 
 def report_advance(*, connection: Connection, turn_id, report: dict) -> tuple[int, dict, bool]:
-    report_id = report.get("report_id")
-    if not report_id:
-        raise ApplicationError("bad_request", "report_id is required")
-    return idempotent_call(user=None, scope=f"connection:{connection.pk}", route="daemon.advance", key=str(report_id),
-                           body={"turn": str(turn_id), **report},
-                           action=lambda: (200, _apply_advance(connection, turn_id, report)))
+    # Nothing that does not validate is stored (issue 7 item 13); refusals are not recorded, so a
+    # daemon that retries a refused report has it decided again (its spool parks, never drops, it).
+    report = daemon_schemas.as_report(daemon_schemas.validated(daemon_schemas.AdvanceReportIn, report))
+    return idempotent_call(user=None, scope=f"connection:{connection.pk}", route="daemon.advance",
+                           key=str(report["report_id"]), body={"turn": str(turn_id), **report},
+                           action=lambda: (200, _apply_advance(connection, turn_id, report)), record_refusals=False)
 
 
 def _apply_advance(connection: Connection, turn_id, report: dict) -> dict:
@@ -293,15 +343,12 @@ def _dispatch_next(session_id) -> None:
 
 
 def report_events(*, connection: Connection, turn_id, report: dict) -> tuple[int, dict, bool]:
-    report_id = report.get("report_id")
-    if not report_id:
-        raise ApplicationError("bad_request", "report_id is required")
-    events = report.get("events")
-    if not isinstance(events, list) or len(events) > EVENTS_PER_REPORT_MAX:
-        raise ApplicationError("bad_request", f"events must be a list of at most {EVENTS_PER_REPORT_MAX}")
-    return idempotent_call(user=None, scope=f"connection:{connection.pk}", route="daemon.events", key=str(report_id),
+    report = daemon_schemas.as_report(daemon_schemas.validated(daemon_schemas.EventsReportIn, report))
+    events = report["events"]
+    return idempotent_call(user=None, scope=f"connection:{connection.pk}", route="daemon.events",
+                           key=str(report["report_id"]),
                            body={"turn": str(turn_id), "n": len(events), "first": events[:1]},
-                           action=lambda: (200, _apply_events(connection, turn_id, events)))
+                           action=lambda: (200, _apply_events(connection, turn_id, events)), record_refusals=False)
 
 
 def _apply_events(connection: Connection, turn_id, events: list) -> dict:
