@@ -314,7 +314,10 @@ class Daemon:
             if action in (p.START_TURN, p.RESUME):
                 self.start_turn(command)
             elif action == p.INTERRUPT:
-                self.interrupt_turn(command)
+                result = self.interrupt_turn(command)
+                if result is not None:  # not held here: the portal decides (it knows who runs the turn)
+                    self.seen_commands[command_id] = result
+                    await self._send({"type": p.RESULT, "command": command_id, "result": result}, ws)
             elif action == p.PROBE:
                 result = {"held": self.holds(command.get("turn"))}
                 self.seen_commands[command_id] = result
@@ -350,7 +353,8 @@ class Daemon:
             log.info("turn %s waits: %d running (max %d)%s", request.turn, len(self.tasks),
                      self.config.max_concurrency, ", its session is busy" if self._session_busy(runner) else "")
 
-    def interrupt_turn(self, command: dict) -> None:
+    def interrupt_turn(self, command: dict) -> dict | None:
+        """Stop a turn held here; for a turn this daemon knows nothing of, the answer ``{"held": False}``."""
         turn = str(command.get("turn") or "")
         payload = command.get("payload") if isinstance(command.get("payload"), dict) else {}
         timeout = payload.get("sigint_timeout_s")
@@ -360,22 +364,26 @@ class Daemon:
             timeout = self.config.sigint_timeout_s
         runner = self.runners.get(turn)
         if turn in self.recovering:
-            return  # being stopped already; its report follows
+            return None  # being stopped already; its report follows
         if runner is None:
-            if turn:
-                # Nothing runs here for it (never ours, or its agent already exited, e.g. while waiting
-                # for an answer): it is stopped, say so at once (§4.1).  A turn that already ended is
-                # refused by the portal, which changes nothing.
+            if turn and (turn in self.finished or (self.sender is not None and self.sender.has_pending(turn))):
+                # Ours, but its agent already exited (e.g. while waiting for an answer): it is stopped,
+                # say so (§4.1), after its own last report (one lane per turn keeps the order).  A turn
+                # that already ended is refused by the portal, which changes nothing.
                 self.reporter.advance(turn, p.AdvanceReport(report_id=p.new_report_id(), status=p.INTERRUPTED,
                                                             reason="user", stop_state=p.STOP_CONFIRMED).as_dict())
-            return
+                return None
+            # Never ran here: a daemon reports only turns it holds.  It says "not held" and the portal
+            # settles the turn only if this daemon is the one that runs it.
+            return {"held": False} if turn else None
         if runner in self.queue:  # never started: settle it now
             self.queue.remove(runner)
             runner.interrupt(reason="user")
             self._launch(runner)
-            return
+            return None
         if not runner.interrupt(reason="user", timeout_s=timeout):
             log.info("turn %s: interrupt ignored (already stopping or exited)", turn)
+        return None
 
     def _session_busy(self, runner: TurnRunner) -> bool:
         session = runner.request.session or runner.turn

@@ -244,6 +244,10 @@ class ReportSender:
     def backlog(self) -> int:
         return sum(len(q) for q in self._lanes.values())
 
+    def has_pending(self, lane: str) -> bool:
+        """Reports of this lane (a turn) wait to be sent."""
+        return bool(self._lanes.get(lane))
+
     async def drain(self, timeout: float) -> bool:
         """Wait until every queued report is delivered or dropped; False at the timeout."""
         self.kick()

@@ -119,6 +119,10 @@ class Turn(models.Model):
     # imports executions).
     attempt_id = models.UUIDField(null=True, blank=True, db_index=True)
     merged_into = models.ForeignKey("self", null=True, blank=True, on_delete=models.SET_NULL, related_name="+")
+    # The connection that runs (or ran) this turn, set when it is dispatched.  Commands for the turn
+    # (interrupt, probe) go there and only its daemon may report on the turn, even after the
+    # session moved to another connection (§3.1).  Null until dispatched.
+    connection = models.ForeignKey(Connection, null=True, blank=True, on_delete=models.PROTECT, related_name="turns")
     created_at = models.DateTimeField(auto_now_add=True)
     started_at = models.DateTimeField(null=True, blank=True)
     ended_at = models.DateTimeField(null=True, blank=True)

@@ -63,6 +63,7 @@ class WakeErrorOut(Schema):
 class TurnOut(Schema):
     id: UUID
     session_id: UUID
+    connection_id: UUID | None
     seq: int
     trigger: str
     prompt: str

@@ -103,7 +103,8 @@ def wake_error_out(wake_error: dict | None, *, with_details: bool) -> dict | Non
 
 def turn_out(t: Turn, *, with_details: bool = False) -> dict:
     return {
-        "id": t.id, "session_id": t.session_id, "seq": t.seq, "trigger": t.trigger, "prompt": t.prompt,
+        "id": t.id, "session_id": t.session_id, "connection_id": t.connection_id, "seq": t.seq,
+        "trigger": t.trigger, "prompt": t.prompt,
         "status": t.status, "interrupted_reason": t.interrupted_reason, "stop_state": t.stop_state,
         "wake_error": wake_error_out(t.wake_error, with_details=with_details),
         "interrupt_evidence": t.interrupt_evidence, "usage": t.usage, "attempt_id": t.attempt_id,
@@ -129,6 +130,14 @@ def transcript_out(m: TranscriptMessage) -> dict:
     return {"id": m.id, "turn_id": m.turn_id, "role": m.role, "text": m.text, "at": m.at}
 
 
+def turn_runner_connection(turn: Turn) -> Connection:
+    """The connection that runs (ran) the turn: its commands go there, only its daemon reports on it.
+
+    A turn not yet dispatched has none of its own; it will run on its session's connection.
+    """
+    return turn.connection if turn.connection_id else turn.session.connection
+
+
 def connection_is_live(c: Connection, now=None) -> bool:
     now = now or timezone.now()
     return (c.status == states.CONN_ONLINE and c.last_heartbeat_at is not None
@@ -143,7 +152,9 @@ def resume_preflight(session: Session) -> dict:
     last = session.turns.order_by("-seq").first()
     online = connection_is_live(session.connection, now)
     refusal = None
-    resumable_reasons = {states.REASON_USER, states.REASON_CRASH, states.REASON_TIMEOUT, states.REASON_SHUTDOWN}
+    # §4.3 (amended): a turn settled offline (killed with its daemon) resumes like a crash.
+    resumable_reasons = {states.REASON_USER, states.REASON_CRASH, states.REASON_TIMEOUT, states.REASON_SHUTDOWN,
+                         states.REASON_OFFLINE}
     if session.status != states.SESSION_ACTIVE:
         refusal = "the session has ended (it was handed off); continue in the new session"
     elif last is None:

@@ -187,12 +187,24 @@ async def test_probe_and_interrupt(portal, make_daemon, workdir):
     assert not pid_alive(pid)
 
 
-async def test_interrupt_of_a_turn_not_held_here_is_settled_at_once(portal, make_daemon):
-    await make_daemon()
-    await portal.command(p.INTERRUPT, "turn-elsewhere", {"sigint_timeout_s": 5})
-    await wait_until(lambda: portal.advances("turn-elsewhere"))
-    report = portal.advances("turn-elsewhere")[0]
-    assert report["status"] == "interrupted" and report["reason"] == "user" and report["stop_state"] == "confirmed"
+async def test_interrupt_of_a_turn_never_held_here_is_answered_not_held_and_not_reported(portal, make_daemon):
+    # A daemon reports only turns it holds (issue 7 item 9): the turn may run on another daemon,
+    # e.g. of the connection its session moved away from; the portal decides with "not held".
+    daemon, _ = await make_daemon()
+    await portal.command(p.INTERRUPT, "turn-elsewhere", {"sigint_timeout_s": 5}, command_id="int-1")
+    await wait_until(lambda: any(m.get("command") == "int-1" for m in portal.of_type(p.RESULT)))
+    assert [m["result"] for m in portal.of_type(p.RESULT) if m["command"] == "int-1"] == [{"held": False}]
+    await daemon.sender.drain(2)
+    assert portal.advances("turn-elsewhere") == []
+
+
+async def test_interrupt_of_a_turn_that_exited_here_is_reported_after_its_end(portal, make_daemon, workdir):
+    daemon, _ = await make_daemon()
+    await portal.command(p.START_TURN, "turn-done", start_payload(workdir, "@reply hi"))
+    await wait_until(lambda: "ended" in portal.statuses("turn-done") and "turn-done" in daemon.finished, 15)
+    await portal.command(p.INTERRUPT, "turn-done", {"sigint_timeout_s": 5})
+    await wait_until(lambda: portal.statuses("turn-done")[-1:] == ["interrupted"])
+    assert portal.statuses("turn-done")[-2:] == ["ended", "interrupted"]  # the portal refuses the latter
 
 
 async def test_capacity_and_one_turn_per_session(portal, make_daemon, workdir):
