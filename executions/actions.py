@@ -49,7 +49,8 @@ def run_resume(*, actor, run_id, expected_version=None, client="api", reason=Non
 
 
 def run_cancel(*, actor, run_id, expected_version=None, client="api", reason=None, idempotency_key=None) -> dict:
-    """→ cancelling; every active attempt is interrupted (verified stop); cancelled when all are terminal.
+    """→ cancelling; every active attempt is interrupted (verified stop), every subrun is cancelled the
+    same way (recursively) and pending approvals are cancelled; cancelled when all are terminal.
     Nothing is rolled back and the issue is not accepted."""
     run = _run(run_id)
     if run.state in {"cancelling", "cancelled"}:
@@ -67,10 +68,21 @@ def run_cancel(*, actor, run_id, expected_version=None, client="api", reason=Non
                     interrupted.append(str(attempt.turn_id))
                 except ApplicationError:
                     pass  # the turn already ended: the tick settles the attempt
-        _audit(actor, "run.cancel", run, f"cancelling; {len(interrupted)} turn(s) interrupted", client, reason,
-               idempotency_key)
+        approvals = [approval.pk for approval in Approval.objects.filter(node__run=run, status="pending")]
+        for approval_id in approvals:
+            services.approval_set_status(approval_id=approval_id, status="cancelled", actor=actor,
+                                         reason=reason or "run cancelled")
+        subruns = []
+        for child in Run.objects.filter(parent_run=run).exclude(state__in=states.RUN_TERMINAL).order_by("id"):
+            answer = run_cancel(actor=actor, run_id=child.pk, client=client,
+                                reason=reason or f"parent run {run.pk} cancelled")
+            subruns.append(str(child.pk))
+            interrupted += answer.get("interrupted_turns", [])
+        _audit(actor, "run.cancel", run, f"cancelling; {len(interrupted)} turn(s) interrupted, {len(approvals)} "
+               f"approval(s) and {len(subruns)} subrun(s) cancelled", client, reason, idempotency_key)
         engine.schedule_tick(run.pk)
-    return {"changed": True, "state": run.state, "version": run.version, "interrupted_turns": interrupted}
+    return {"changed": True, "state": run.state, "version": run.version, "interrupted_turns": interrupted,
+            "cancelled_subruns": subruns, "cancelled_approvals": [str(a) for a in approvals]}
 
 
 def run_rerun(*, actor, run_id, input=None, client="api", reason=None, idempotency_key=None) -> dict:

@@ -137,11 +137,10 @@ def run_tick_apply(*, run_id) -> str:
             return _finish_cancel(run, nodes)
         waits = []
         # A node finishing in this tick (a timer due, a dependency done) readies its dependents at once.
-        for _ in range(len(nodes) + 1):
+        # Paused: the results of running attempts are recorded (above), nothing else moves (§4.7).
+        for _ in range(len(nodes) + 1 if run.state != "paused" else 0):
             before = [(n.pk, n.state) for n in nodes]
             _promote_nodes(nodes)
-            if run.state == "paused":
-                break
             # Running nodes too: a failed attempt (infra retry) or task (policy retry) needs a successor.
             _block_nodes_of_cancelled_tasks(nodes)
             waits = [_dispatch_node(run, node) for node in nodes
@@ -292,7 +291,8 @@ def _choose_connection(run: Run, node: RunNode, task: AgentTask):
         return None, {"reason": "no_worker", "detail": {"backend": ", ".join(backends) or "any",
                                                          "unblock": "start a daemon for this backend"}}
     for connection in live:
-        busy = Turn.objects.filter(session__connection=connection, status__in=["running", "requires_action"]).count()
+        # Turns running on the connection (their own, not their session's: a session may have moved).
+        busy = Turn.objects.filter(connection=connection, status__in=["running", "requires_action"]).count()
         if busy < connection.max_concurrency:
             return connection, None
     return None, {"reason": "capacity", "detail": {"connection": str(live[0].pk),
@@ -475,11 +475,12 @@ def turn_outcome(turn: Turn) -> dict:
 
 # ---------------------------------------------------------------- run state
 def _settle_run(run: Run, waits: list[dict]) -> str:
+    if run.state == "paused":
+        # No progress until an operator resumes, not even completion: resuming converges (§4.7).
+        return run.state
     nodes = list(RunNode.objects.filter(run=run))
     if all(n.state in states.NODE_TERMINAL for n in nodes):
         return _complete(run, nodes)
-    if run.state == "paused":
-        return run.state
     # Attempts that wait for other work do not keep the run busy.
     idle = not (Attempt.objects.filter(task__node__run=run).exclude(state__in=states.ATTEMPT_TERMINAL)
                 .exclude(state="waiting").exists())
@@ -502,9 +503,6 @@ def _settle_run(run: Run, waits: list[dict]) -> str:
 
 
 def _complete(run: Run, nodes: list[RunNode]) -> str:
-    if run.state == "paused":
-        # The last attempt finished while the run was paused: the run is over all the same.
-        run = services.run_set_state(run_id=run.pk, state="running")
     succeeded = [n for n in nodes if n.state == "succeeded"]
     failed = [n for n in nodes if n.state == "failed"]
     if not failed:
@@ -540,12 +538,17 @@ def _finish_cancel(run: Run, nodes: list[RunNode]) -> str:
     active = Attempt.objects.filter(task__node__run=run).exclude(state__in=states.ATTEMPT_TERMINAL)
     if active.exists():
         return run.state
+    if Run.objects.filter(parent_run=run).exclude(state__in=states.RUN_TERMINAL).exists():
+        return run.state  # its subruns are being cancelled too; the last one to finish ticks this run
     for node in nodes:
         if node.state not in states.NODE_TERMINAL:
             services.node_set_state(node_id=node.pk, state="cancelled")
     for task in AgentTask.objects.filter(node__run=run).exclude(status__in=states.TASK_TERMINAL):
         services.task_set_status(task_id=task.pk, status="cancelled")
-    return services.run_set_state(run_id=run.pk, state="cancelled").state
+    state = services.run_set_state(run_id=run.pk, state="cancelled").state
+    if run.parent_run_id:
+        schedule_tick(run.parent_run_id)
+    return state
 
 
 def runs_needing_a_tick() -> list[str]:

@@ -59,8 +59,9 @@ ISSUE_TRANSITIONS = _table({
     "done": "in_progress",
 })
 
-APPROVAL_STATES = ["pending", "approved", "rejected"]
-APPROVAL_TRANSITIONS = _table({"pending": "approved rejected"})
+APPROVAL_STATES = ["pending", "approved", "rejected", "cancelled"]
+# cancelled: its run was cancelled (§4.7) before anyone decided; it can no longer be decided.
+APPROVAL_TRANSITIONS = _table({"pending": "approved rejected cancelled"})
 
 NODE_TYPES = ["agent", "approval", "subrun", "signal", "timer"]
 RUN_MODES = ["direct", "adaptive", "declared", "subrun"]

@@ -71,6 +71,10 @@ def _session_url(session):
 # ---------------------------------------------------------------- turn actions
 def turn_interrupt_view(admin, request, object_id):
     turn = _object(admin, request, object_id, "sessions_app.interrupt_turn")
+    # The connection that runs the turn (the session may have moved since), and where it was started.
+    runner = selectors.turn_runner_connection(turn)
+    start = turn.commands.filter(action__in=["start_turn", "resume"]).order_by("-id").first()
+    cwd = (start.payload or {}).get("cwd") if start else turn.session.cwd
     if request.method == "POST":
         try:
             answer = actions.turn_interrupt(actor=request.user, turn_id=turn.pk, client="admin",
@@ -79,13 +83,13 @@ def turn_interrupt_view(admin, request, object_id):
             return _refused(request, _turn_url(turn), error)
         text = ("Settled at once: the turn never started." if answer.get("settled")
                 else "Stop requested: the daemon asks the agent to stop, then kills its process tree after "
-                     f"{turn.session.connection.sigint_timeout_s} s. Progress shows on the turn.")
+                     f"{runner.sigint_timeout_s} s. Progress shows on the turn.")
         return _done(request, _turn_url(turn), answer, text)
     return _page(admin, request, turn, title=f"Interrupt turn #{turn.seq}?", action_label="Interrupt",
                  danger=True, touched=[
                      f"Turn #{turn.seq} of session “{turn.session}” ({turn.status_label})",
-                     f"The agent process on {turn.session.connection.name} in {turn.session.cwd}: asked to stop, "
-                     f"then its whole process tree is killed after {turn.session.connection.sigint_timeout_s} s",
+                     f"The agent process on {runner.name} in {cwd}: asked to stop, "
+                     f"then its whole process tree is killed after {runner.sigint_timeout_s} s",
                  ])
 
 

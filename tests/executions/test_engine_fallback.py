@@ -147,14 +147,17 @@ def test_a_due_timer_readies_its_dependents_in_the_same_tick_and_nodes_keep_work
     assert after.state == "running" and Attempt.objects.filter(task__node=after).exists()
 
 
-def test_the_last_attempt_finishing_while_paused_completes_the_run():
-    from executions.actions import run_pause
+def test_the_last_attempt_finishing_while_paused_completes_the_run_once_resumed():
+    from executions.actions import run_pause, run_resume
 
     connection = live(factories.make_connection(cwds=["/srv/a"]))
     run = declared([{"key": "only", "type": "agent", "prompt": "@outcome succeeded"}], connection)
     run_pause(actor=None, run_id=run.pk)
     attempt = Attempt.objects.get(task__node__run=run)
     finish_with(connection, attempt, "succeeded")
+    assert Run.objects.get(pk=run.pk).state == "paused"  # pause means no progress (issue 7 item 12)
+    run_resume(actor=None, run_id=run.pk)
+    engine.run_tick_apply(run_id=run.pk)
     assert Run.objects.get(pk=run.pk).state == "succeeded"
 
 

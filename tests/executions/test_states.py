@@ -68,7 +68,8 @@ def test_tables_are_the_ones_of_the_spec():
         "in_review→done/in_progress/blocked/cancelled; blocked→backlog/todo/in_progress/in_review/cancelled; "
         "done→in_progress"
     )
-    assert states.APPROVAL_TRANSITIONS == {"pending": {"approved", "rejected"}}
+    # §4.7: cancelling a run (or its parent) cancels its pending approvals.
+    assert states.APPROVAL_TRANSITIONS == {"pending": {"approved", "rejected", "cancelled"}}
     for table, terminal in [(states.RUN_TRANSITIONS, states.RUN_TERMINAL), (states.NODE_TRANSITIONS,
                             states.NODE_TERMINAL), (states.TASK_TRANSITIONS, states.TASK_TERMINAL),
                             (states.ATTEMPT_TRANSITIONS, states.ATTEMPT_TERMINAL)]:
