@@ -37,7 +37,8 @@ ACTION_PERMISSIONS = {
             ("signal_run", "Can signal a run"),
         ],
         "agenttask": [("retry_task", "Can retry a task"), ("cancel_task", "Can cancel a task")],
-        "issue": [("accept_issue", "Can accept an issue"), ("reject_issue", "Can reject an issue")],
+        "issue": [("accept_issue", "Can accept an issue"), ("reject_issue", "Can reject an issue"),
+                  ("reopen_issue", "Can reopen a done issue")],
         "approval": [("decide_approval", "Can decide an approval")],
     },
 }

@@ -16,6 +16,8 @@ from urllib.parse import parse_qsl, unquote, urlsplit
 
 from django.core.exceptions import ImproperlyConfigured
 
+from agents import protocol as _protocol
+
 BASE_DIR = Path(__file__).resolve().parent.parent
 
 
@@ -242,6 +244,17 @@ CELERY_TASK_REJECT_ON_WORKER_LOST = True
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 CELERY_TASK_IGNORE_RESULT = True
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
+# Longest countdown/ETA enqueued (chorus_site.scheduling.run_later): a stop deadline is the
+# connection's sigint_timeout_s + 5 s; anything longer is left to the periodic sweep.
+CHORUS_ETA_MAX_S = env_int("CHORUS_ETA_MAX_S", 300, minimum=10)
+# Redis keeps a message a worker took (ETA messages are taken at once and held until due) in its
+# "unacked" hash; if that worker is SIGKILLed the message comes back only after visibility_timeout.
+# It must exceed the longest ETA (CHORUS_ETA_MAX_S) plus the longest task (ticks and sweeps take
+# seconds; the hourly purge minutes at worst), or Redis hands a message still held or running to a
+# second worker.  It is no recovery mechanism: every deadline and tick is found again from the
+# database by the sweeps below within one beat, so a lost message costs one sweep interval, and a
+# late redelivery finds nothing left to do (tasks are safe to run twice).
+CELERY_BROKER_TRANSPORT_OPTIONS = {"visibility_timeout": 900}
 CELERY_BEAT_SCHEDULE = {
     "purge-expired-events": {"task": "chorus_site.tasks.events_purge_expired", "schedule": 3600.0},
     "sweep-stale-connections": {"task": "sessions_app.tasks.connections_sweep", "schedule": 5.0},
@@ -251,6 +264,9 @@ CELERY_BEAT_SCHEDULE = {
 # ---------------------------------------------------------------- chorus
 CHORUS_EVENT_RETENTION_DAYS = env_int("CHORUS_EVENT_RETENTION_DAYS", 7, minimum=1)
 CHORUS_SSE_HEARTBEAT_S = env_int("CHORUS_SSE_HEARTBEAT_S", 15, minimum=1)
+# The one staleness threshold of daemon heartbeats: past it a connection is not live (no new work,
+# evidence for mark-interrupted) and the sweep takes it offline and settles its turns.
+CHORUS_HEARTBEAT_TIMEOUT_S = env_int("CHORUS_HEARTBEAT_TIMEOUT_S", _protocol.HEARTBEAT_TIMEOUT_S, minimum=10)
 CHORUS_IDEMPOTENCY_TTL_HOURS = 24
 
 LOGGING = {

@@ -40,6 +40,8 @@ def run_resume(*, actor, run_id, expected_version=None, client="api", reason=Non
     run = _run(run_id)
     if run.state in {"running", "waiting"}:
         _audit(actor, "run.resume", run, "unchanged", client, reason, idempotency_key)
+        # Nothing to change, but an operator asking means it looks stuck: a tick is a harmless nudge.
+        engine.schedule_tick(run.pk)
         return {"changed": False, "state": run.state, "version": run.version}
     with transaction.atomic():
         run = services.run_set_state(run_id=run.pk, state="running", actor=actor, expected_version=expected_version)

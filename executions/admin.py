@@ -57,11 +57,15 @@ class IssueAdmin(OpsAdmin):
         view = self.admin_site.admin_view(lambda request, object_id: admin_views.issue_start_run_view(
             self, request, object_id))
         inbox = self.admin_site.admin_view(lambda request: admin_views.inbox_view(self, request))
+        reopen = self.admin_site.admin_view(lambda request, object_id: admin_views.issue_reopen_view(
+            self, request, object_id))
         return [path("inbox/", inbox, name="executions_issue_inbox"),
+                path("<path:object_id>/reopen/", reopen, name="executions_issue_reopen"),
                 path("<path:object_id>/start-run/", view, name="executions_issue_start_run")] + super().get_urls()
 
     def extra_detail_context(self, request, obj):
         return {"can_start_run": request.user.has_perm("executions.start_run"),
+                "can_reopen": obj.status == "done" and request.user.has_perm("executions.reopen_issue"),
                 "runs": list(obj.runs.order_by("-id")[:20])}
 
 

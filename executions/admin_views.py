@@ -98,6 +98,29 @@ def issue_start_run_view(admin, request, object_id):
     })
 
 
+def issue_reopen_view(admin, request, object_id):
+    if not request.user.has_perm("executions.reopen_issue"):
+        raise PermissionDenied
+    issue = admin.get_object(request, object_id)
+    if issue is None:
+        raise PermissionDenied
+    url = reverse("admin:executions_issue_change", args=[issue.pk])
+    if request.method == "POST":
+        try:
+            answer = actions.issue_reopen(actor=request.user, issue_id=issue.pk, client="admin",
+                                          reason=request.POST.get("reason") or None, expected_version=issue.version)
+        except ApplicationError as error:
+            messages.error(request, f"Refused ({error.code}): {error.message}")
+        else:
+            messages.success(request, "Reopened: the issue is in progress." if answer["changed"]
+                             else "Nothing to do: the issue is already in progress.")
+        return HttpResponseRedirect(url)
+    return _page(admin, request, issue, {
+        "title": f"Reopen “{issue}”?", "action_label": "Reopen",
+        "touched": [f"Issue “{issue}” ({issue.status}) goes back to in progress; no run starts by itself. "
+                    "Its runs stay as they are and can then be rerun."]})
+
+
 TASK_ACTIONS = {
     "retry": ("Retry task", "A new task for the node, linked with retry_of; the finished task stays as it was.",
               "executions.retry_task", actions.task_retry),

@@ -307,6 +307,15 @@ def issue_reject(request, issue_id: UUID, body: ReviewIn):
                                                              reason=body.reason, idempotency_key=key))
 
 
+@router.post("/issues/{issue_id}/reopen", response={200: dict, **ERRORS},
+             summary="Reopen a done issue: back to in progress, starting no execution")
+def issue_reopen(request, issue_id: UUID, body: ReviewIn):
+    return act(request, perm="executions.reopen_issue", route=f"issues.reopen:{issue_id}", body=body.dict(),
+               action=lambda user, key: actions.issue_reopen(actor=user, issue_id=issue_id,
+                                                             expected_version=body.expected_version,
+                                                             reason=body.reason, idempotency_key=key))
+
+
 @router.post("/tasks/{task_id}/retry", response={200: dict, **ERRORS}, summary="A new task for the node")
 def task_retry(request, task_id: UUID, body: TaskActionIn = None):
     reason = body.reason if body else None

@@ -20,6 +20,7 @@ from django.utils import timezone
 from chorus_site.audit import actor_name, audit_record
 from chorus_site.errors import ApplicationError
 from chorus_site.events import event_append
+from chorus_site.scheduling import enqueue_on_commit
 from sessions_app import actions as session_actions
 from sessions_app import selectors as session_selectors
 from sessions_app import services as session_services
@@ -119,9 +120,10 @@ def _issue_to_in_progress(issue: Issue, actor) -> None:
 
 
 def schedule_tick(run_id) -> None:
+    """Wake a tick after commit; a lost wake-up is found again by ``recovery.runs_needing_a_tick``."""
     from .tasks import run_tick
 
-    run_tick.delay_on_commit(str(run_id))
+    enqueue_on_commit(run_tick, args=[str(run_id)])
 
 
 # ---------------------------------------------------------------- the tick
@@ -549,17 +551,6 @@ def _finish_cancel(run: Run, nodes: list[RunNode]) -> str:
     if run.parent_run_id:
         schedule_tick(run.parent_run_id)
     return state
-
-
-def runs_needing_a_tick() -> list[str]:
-    """Waiting runs and running runs with a ready node: their cause may have cleared."""
-    ids = set(Run.objects.filter(state="waiting").values_list("pk", flat=True))
-    ids |= set(AgentTask.objects.filter(node__run__state="running", status__in=["dispatched", "running"],
-                                        result__has_key="retry_after").values_list("node__run_id", flat=True))
-    ids |= set(RunNode.objects.filter(run__state="running", state="ready").values_list("run_id", flat=True))
-    ids |= set(RunNode.objects.filter(run__state__in=["running", "waiting"], state="waiting",
-                                      wait_reason__in=["timer", "dependency"]).values_list("run_id", flat=True))
-    return [str(i) for i in ids]
 
 
 def run_add_members(*, run_id, lead_task: AgentTask, nodes: list[dict]) -> dict:

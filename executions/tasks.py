@@ -1,6 +1,10 @@
 """Celery tasks of the run engine: ticks are idempotent, claim their run by row lock, safe to repeat."""
 
+import logging
+
 from celery import shared_task
+
+log = logging.getLogger(__name__)
 
 
 @shared_task(acks_late=True, reject_on_worker_lost=True)
@@ -12,10 +16,16 @@ def run_tick(run_id: str) -> str:
 
 @shared_task(acks_late=True, reject_on_worker_lost=True)
 def runs_tick_waiting() -> int:
-    """Periodic: runs that wait continue by themselves when the cause clears (host back, capacity)."""
-    from .engine import run_tick_apply, runs_needing_a_tick
+    """Periodic: every run whose rows say it needs a tick gets one (waiting runs whose cause may have
+    cleared, and any tick whose message was lost).  One task per run: one failing run does not keep
+    the others from theirs, and the ticks spread over the workers."""
+    from chorus_site.scheduling import enqueue
 
-    run_ids = runs_needing_a_tick()
-    for run_id in run_ids:
-        run_tick_apply(run_id=run_id)
-    return len(run_ids)
+    from .recovery import runs_needing_a_tick
+
+    try:
+        run_ids = runs_needing_a_tick()
+    except Exception:
+        log.exception("could not find the runs needing a tick; the next beat retries")
+        return 0
+    return sum(enqueue(run_tick, args=[run_id]) for run_id in run_ids)

@@ -8,7 +8,7 @@ asking for what the state machine forbids is 409 ``invalid_transition``.
 from __future__ import annotations
 
 import time
-from datetime import timedelta
+from datetime import datetime, timedelta
 from pathlib import PurePosixPath
 
 from django.db import transaction
@@ -193,8 +193,14 @@ def turn_interrupt(*, actor, turn_id, client: str = "api", reason: str | None = 
                    idempotency_key: str | None = None) -> dict:
     turn = _get(Turn, turn_id)
     target = f"turn:{turn.pk}"
+    if turn.status == states.INTERRUPTED and turn.interrupted_reason == states.REASON_OFFLINE:
+        # Settled offline while its daemon was away, but the daemon's latest snapshot lists it: the
+        # process lives.  Reopened first (sessions_app.reconcile), so this interrupt reaches it.
+        from .reconcile import turn_reconcile_if_listed
+
+        turn_reconcile_if_listed(turn=turn)
     with transaction.atomic():
-        turn = Turn.objects.select_for_update().select_related("session__connection").get(pk=turn.pk)
+        turn = services.turn_lock(turn.pk, related=("session__connection",))  # session → turn
         if turn.status == states.INTERRUPTED or (
                 turn.status in {states.RUNNING, states.REQUIRES_ACTION} and turn.stop_state != states.STOP_NONE
                 and turn.stop_state != states.STOP_UNCONFIRMED):
@@ -227,26 +233,49 @@ def turn_interrupt(*, actor, turn_id, client: str = "api", reason: str | None = 
                      payload={"sigint_timeout_s": timeout})
         from .tasks import turn_stop_deadline
 
-        run_later(turn_stop_deadline, args=[str(turn.pk)], delay_s=timeout + STOP_CONFIRM_MARGIN_S)
+        # A wake-up at the deadline; if it is lost (worker killed, broker down) stops_settle_overdue finds it.
+        run_later(turn_stop_deadline, args=[str(turn.pk), deadline.isoformat()],
+                  delay_s=timeout + STOP_CONFIRM_MARGIN_S)
         _audit(actor, "turn.interrupt", target, "stop requested", client=client, reason=reason,
                idempotency_key=idempotency_key)
     return {"changed": True, "dispatched": True, "settled": False, "status": turn.status,
             "stop_state": turn.stop_state, "deadline": deadline.isoformat()}
 
 
-def turn_stop_deadline_check(*, turn_id) -> bool:
-    """After the deadline: a stop with no confirmation is marked ``unconfirmed`` (never pretended)."""
+STOPS_UNDER_WAY = [states.STOP_REQUESTED, states.STOP_SIGNALLED, states.STOP_ESCALATED]
+
+
+def turn_stop_deadline_check(*, turn_id, deadline: str | None = None) -> bool:
+    """After the deadline: a stop with no confirmation is marked ``unconfirmed`` (never pretended).
+
+    ``deadline`` is the one the check was scheduled for: a late or redelivered check of an earlier
+    stop request does not judge a newer one (asked again after ``unconfirmed``).
+    """
     turn = Turn.objects.filter(pk=turn_id).first()
     if turn is None or turn.status in {states.ENDED, states.MERGED, states.PENDING}:
         return False
     # Also an interrupted turn: the agent exited but the daemon could not clear its tree.
-    if turn.stop_state not in {states.STOP_REQUESTED, states.STOP_SIGNALLED, states.STOP_ESCALATED}:
+    if turn.stop_state not in STOPS_UNDER_WAY:
+        return False
+    if deadline and turn.stop_deadline_at and turn.stop_deadline_at > datetime.fromisoformat(deadline):
         return False
     try:
         services.turn_set_stop_state(turn_id=turn.pk, stop_state=states.STOP_UNCONFIRMED)
     except ApplicationError:
         return False  # confirmed meanwhile
     return True
+
+
+def stops_settle_overdue(*, now=None) -> int:
+    """The sweep's twin of the deadline message: every stop past its deadline and still unconfirmed is
+    marked ``unconfirmed``, so a lost message costs one sweep interval, never a stop left ``requested``."""
+    now = now or timezone.now()
+    overdue = (Turn.objects.filter(stop_state__in=STOPS_UNDER_WAY, stop_deadline_at__lte=now)
+               .exclude(status__in=[states.ENDED, states.MERGED, states.PENDING]))
+    settled = 0
+    for turn_id, deadline in overdue.values_list("pk", "stop_deadline_at"):
+        settled += turn_stop_deadline_check(turn_id=turn_id, deadline=deadline.isoformat())
+    return settled
 
 
 # ---------------------------------------------------------------- §4.2 mark interrupted

@@ -21,13 +21,12 @@ from chorus_site.errors import ApplicationError
 from chorus_site.events import event_append, events_append_many
 from chorus_site.idempotency import idempotent_call
 
-from . import daemon_schemas, services, states
+from . import daemon_schemas, selectors, services, states
 from .listeners import turn_env
 from .models import Connection, ControlCommand, Session, Turn
 
 log = logging.getLogger(__name__)
 
-HEARTBEAT_TIMEOUT = timedelta(seconds=protocol.HEARTBEAT_TIMEOUT_S)
 COMMAND_TTL = timedelta(hours=1)
 
 
@@ -126,7 +125,7 @@ def connection_store_snapshot(*, connection_id, running: list) -> None:
 def connections_sweep_stale(*, now=None) -> dict:
     """Mark connections with a stale heartbeat offline and settle their active turns ``offline``."""
     now = now or timezone.now()
-    cutoff = now - HEARTBEAT_TIMEOUT
+    cutoff = now - selectors.heartbeat_timeout()
     went_offline = 0
     for connection_id in Connection.objects.filter(status__in=[states.CONN_ONLINE, states.CONN_DRAINING]).filter(
             last_heartbeat_at__lt=cutoff).values_list("pk", flat=True):
@@ -152,7 +151,40 @@ def connections_sweep_stale(*, now=None) -> dict:
             settled += 1
         except ApplicationError:
             pass  # the daemon's own report won the race
-    return {"connections_offline": went_offline, "turns_settled": settled}
+    return {"connections_offline": went_offline, "turns_settled": settled,
+            "pending_settled": _pending_turns_settle_gone(cutoff)}
+
+
+def _pending_turns_settle_gone(cutoff) -> int:
+    """Pending turns (sent or queued) whose connection has been gone past the threshold settle
+    ``interrupted(offline)``: a daemon killed after acking a start would otherwise leave the turn
+    pending forever, blocking every later turn of its session.  A start command the daemon never
+    took is withdrawn first, so a daemon that comes back does not start a settled turn.  A daemon
+    back within the threshold reconciles its pending turns itself (hello/snapshot)."""
+    pending = Turn.objects.filter(status=states.PENDING, created_at__lt=cutoff)
+    gone = set(pending.filter(connection__isnull=False).exclude(
+        connection__last_heartbeat_at__gte=cutoff).values_list("pk", flat=True))
+    gone |= set(pending.filter(connection__isnull=True).exclude(
+        session__connection__last_heartbeat_at__gte=cutoff).values_list("pk", flat=True))
+    settled = 0
+    for turn in Turn.objects.filter(pk__in=gone).select_related("connection", "session__connection").order_by("pk"):
+        connection = turn.connection or turn.session.connection
+        start = ControlCommand.objects.filter(turn_id=turn.pk, action__in=[protocol.START_TURN, protocol.RESUME]) \
+            .order_by("-id").first()
+        evidence = {"basis": "connection_gone_while_pending", "cutoff": cutoff.isoformat(),
+                    "connection": str(connection.pk), "connection_status": connection.status,
+                    "last_heartbeat_at": connection.last_heartbeat_at.isoformat() if connection.last_heartbeat_at
+                    else None, "start_command": start.state if start else None}
+        try:
+            with transaction.atomic():
+                if start is not None and start.state in {states.CMD_PENDING, states.CMD_DELIVERED}:
+                    _set_command_state(start.pk, states.CMD_EXPIRED)
+                services.turn_set_status(turn_id=turn.pk, status=states.INTERRUPTED, reason=states.REASON_OFFLINE,
+                                         interrupt_evidence=evidence, data={"evidence": evidence["basis"]})
+            settled += 1
+        except ApplicationError:
+            pass  # it started or was settled meanwhile
+    return settled
 
 
 # ---------------------------------------------------------------- commands

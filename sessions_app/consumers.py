@@ -11,6 +11,7 @@ import logging
 
 from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncWebsocketConsumer
+from django.conf import settings
 
 from agents import protocol
 
@@ -48,7 +49,7 @@ class DaemonConsumer(AsyncWebsocketConsumer):
         await self.accept()
         await self._send({"type": protocol.WELCOME, "connection": str(connection.pk),
                           "heartbeat_interval_s": protocol.HEARTBEAT_INTERVAL_S,
-                          "heartbeat_timeout_s": protocol.HEARTBEAT_TIMEOUT_S})
+                          "heartbeat_timeout_s": settings.CHORUS_HEARTBEAT_TIMEOUT_S})
         self.poller = asyncio.ensure_future(self._poll_commands())
 
     async def _poll_commands(self):

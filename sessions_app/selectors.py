@@ -5,6 +5,7 @@ from __future__ import annotations
 import shlex
 from datetime import timedelta
 
+from django.conf import settings
 from django.db.models import QuerySet
 from django.utils import timezone
 
@@ -15,7 +16,9 @@ from chorus_site.redaction import redact
 from . import states
 from .models import Connection, Session, TranscriptMessage, Turn
 
-HEARTBEAT_STALE_AFTER = timedelta(seconds=30)
+def heartbeat_timeout() -> timedelta:
+    """The one staleness threshold (CHORUS_HEARTBEAT_TIMEOUT_S): not live here, swept by the bridge."""
+    return timedelta(seconds=settings.CHORUS_HEARTBEAT_TIMEOUT_S)
 
 
 
@@ -141,7 +144,7 @@ def turn_runner_connection(turn: Turn) -> Connection:
 def connection_is_live(c: Connection, now=None) -> bool:
     now = now or timezone.now()
     return (c.status == states.CONN_ONLINE and c.last_heartbeat_at is not None
-            and now - c.last_heartbeat_at <= HEARTBEAT_STALE_AFTER)
+            and now - c.last_heartbeat_at <= heartbeat_timeout())
 
 
 def resume_preflight(session: Session) -> dict:
