@@ -168,6 +168,30 @@ def issue_review(*, actor, issue_id, accept: bool, expected_version=None, client
     return {"changed": True, "status": issue.status, "version": issue.version}
 
 
+def issue_reopen(*, actor, issue_id, expected_version=None, client="api", reason=None, idempotency_key=None) -> dict:
+    """done → in_progress (§3.2), so that its work can go on (e.g. a rerun of its succeeded run)."""
+    issue = Issue.objects.filter(pk=issue_id).first() if engine._is_uuid(issue_id) else None
+    if issue is None:
+        raise ApplicationError("not_found", "not found")
+    target = f"issue:{issue.pk}"
+    if issue.status == "in_progress":
+        audit_record(actor=actor, action="issue.reopen", target=target, outcome="unchanged", client=client,
+                     reason=reason, idempotency_key=idempotency_key)
+        return {"changed": False, "status": issue.status, "version": issue.version}
+    if issue.status != "done":
+        raise ApplicationError("invalid_transition", f"only a done issue can be reopened (this one is {issue.status})",
+                               {"status": issue.status})
+    with transaction.atomic():
+        issue = services.issue_set_status(issue_id=issue.pk, status="in_progress", actor=actor,
+                                          expected_version=expected_version)
+        if reason:
+            services.comment_add(issue_id=issue.pk, body=reason, author=getattr(actor, "username", "system"),
+                                 type="status")
+        audit_record(actor=actor, action="issue.reopen", target=target, outcome=issue.status, client=client,
+                     reason=reason, idempotency_key=idempotency_key)
+    return {"changed": True, "status": issue.status, "version": issue.version}
+
+
 def task_retry(*, actor, task_id, client="api", reason=None, idempotency_key=None) -> dict:
     """A new task for the node (the finished task stays as it was)."""
     task = AgentTask.objects.select_related("node__run").filter(pk=task_id).first()

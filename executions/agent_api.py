@@ -15,6 +15,7 @@ from chorus_site.api import SessionCookieAuth, TokenAuth, act, require_perm
 from chorus_site.audit import audit_record
 from chorus_site.errors import ApplicationError
 from chorus_site.idempotency import idempotent_call
+from chorus_site.redaction import ingest
 
 from . import engine, selectors as sel, services
 from .api import ERRORS, router
@@ -28,6 +29,13 @@ class TaskTokenAuth(HttpBearer):
 
 
 AGENT_OR_OPERATOR = [SessionCookieAuth(), TokenAuth(), TaskTokenAuth()]
+
+
+def _agent_text(body):
+    """What an agent posts (outcome summary, member prompts, comment, artifact) is agent text: the
+    whole validated body is made storable and redacted at the entry point, before any of it is
+    stored or recorded (issue 8), so a new field cannot miss it."""
+    return type(body)(**ingest(body.dict()))
 
 
 def _agent_call(request, *, route: str, body: dict, action):
@@ -76,6 +84,7 @@ class ArtifactIn(Schema):
 def attempt_outcome(request, attempt_id: UUID, body: OutcomeIn):
     if not isinstance(request.auth, Attempt) or request.auth.pk != attempt_id:
         raise ApplicationError("forbidden", "a task token may report only its own attempt")
+    body = _agent_text(body)
     return _agent_call(request, route=f"attempts.outcome:{attempt_id}", body=body.dict(),
                        action=lambda attempt: (200, {"recorded": services.attempt_record_outcome(
                            attempt_id=attempt.pk, intent=body.intent, ref=body.ref, summary=body.summary)}))
@@ -88,6 +97,7 @@ def run_add_nodes(request, run_id: UUID, body: NodesIn):
     task = attempt.task
     if task.node.run_id != run_id or not task.leader:
         raise ApplicationError("forbidden", "only the lead of this adaptive run may add members")
+    body = _agent_text(body)
 
     def add(attempt):
         return 200, engine.run_add_members(run_id=run_id, lead_task=task, nodes=[n.dict() for n in body.nodes])
@@ -109,6 +119,7 @@ def issue_comment(request, issue_id: UUID, body: CommentIn):
     if isinstance(request.auth, Attempt):
         attempt = request.auth
         _scope_of_agent(attempt, issue_id, body.run)
+        body = _agent_text(body)
 
         def post(attempt):
             comment = services.comment_add(issue_id=issue_id, body=body.body, author=f"agent:{attempt.task_id}",
@@ -135,6 +146,7 @@ def artifact_create(request, body: ArtifactIn):
         attempt = request.auth
         run = attempt.task.node.run
         _scope_of_agent(attempt, body.issue, body.run)
+        body = _agent_text(body)
 
         def post(attempt):
             artifact = services.artifact_add(issue_id=run.issue_id, run_id=run.pk, attempt_id=attempt.pk,

@@ -51,8 +51,12 @@ def run_start(*, issue_id, mode: str, input: dict | None = None, workflow_revisi
     issue = Issue.objects.filter(pk=issue_id).first()
     if issue is None:
         raise ApplicationError("bad_request", "unknown issue", {"issue": str(issue_id)})
+    if issue.status == "done":
+        raise ApplicationError("invalid_transition", "the issue is done; reopen it first (its Reopen button, or "
+                               f"POST /api/v1/issues/{issue.pk}/reopen)", {"status": issue.status})
     if issue.status in states.ISSUE_TERMINAL:
-        raise ApplicationError("invalid_transition", f"the issue is {issue.status}; reopen it first")
+        raise ApplicationError("invalid_transition", f"the issue is {issue.status}, which is final: "
+                               "open a new issue for further work", {"status": issue.status})
     input = dict(input or {})
     revision = None
     if mode in {"declared", "subrun"}:
