@@ -20,6 +20,7 @@ from agents import protocol
 from chorus_site.errors import ApplicationError
 from chorus_site.events import event_append, events_append_many
 from chorus_site.idempotency import idempotent_call
+from chorus_site.redaction import StreamRedactor, ingest
 
 from . import daemon_schemas, selectors, services, states
 from .listeners import turn_env
@@ -50,6 +51,7 @@ def connection_authenticate(key: str | None) -> Connection | None:
 
 # ---------------------------------------------------------------- presence
 def connection_daemon_connected(*, connection_id, hello: dict) -> Connection:
+    hello = ingest(hello)  # daemon text: storable and redacted before it is stored (issue 8)
     now = timezone.now()
     fields = {
         "last_heartbeat_at": now,
@@ -118,6 +120,7 @@ def connection_daemon_disconnected(*, connection_id) -> None:
 
 
 def connection_store_snapshot(*, connection_id, running: list) -> None:
+    running = ingest(running)
     Connection.objects.filter(pk=connection_id).update(
         last_snapshot={"at": timezone.now().isoformat(), "running": running}, last_heartbeat_at=timezone.now())
 
@@ -246,6 +249,7 @@ def command_acked(*, connection_id, command_id) -> None:
 
 
 def command_result(*, connection_id, command_id, result: dict) -> None:
+    result = ingest(result)
     command = ControlCommand.objects.filter(pk=command_id, connection_id=connection_id).first()
     if command is None:
         return
@@ -312,6 +316,10 @@ def report_advance(*, connection: Connection, turn_id, report: dict) -> tuple[in
 
 
 def _apply_advance(connection: Connection, turn_id, report: dict) -> dict:
+    # Everything below stores fields of this one value: every string in it (requires_action items,
+    # background_processes[].cmdline, wake_error, final_reply, changes, the outcome) is made
+    # storable (NUL, lone surrogates → U+FFFD) and redacted here, once, so a new field cannot miss it.
+    report = ingest(report)
     turn = _owned_turn(connection, turn_id)
     status = report.get("status")
     stop_state = report.get("stop_state")
@@ -384,6 +392,9 @@ def report_events(*, connection: Connection, turn_id, report: dict) -> tuple[int
 
 
 def _apply_events(connection: Connection, turn_id, events: list) -> dict:
+    # As in _apply_advance: the whole report, once; in order, so a private key printed line by line
+    # stays masked across the events of the report (the daemon does the same across reports).
+    events = StreamRedactor().events(events)
     turn = _owned_turn(connection, turn_id)
     items = []
     for raw in events:
