@@ -241,8 +241,9 @@ class Daemon:
         await self._send({"type": p.HELLO, "version": DAEMON_VERSION, "protocol": p.PROTOCOL_VERSION,
                           "host": socket.gethostname(), "backends": [self.config.backend],
                           "cwds": list(self.config.cwds), "max_concurrency": self.config.max_concurrency,
-                          "sigint_timeout_s": self.config.sigint_timeout_s}, ws)
+                          "sigint_timeout_s": self.config.sigint_timeout_s, "spool": self.sender.health()}, ws)
         await self._send_snapshot(ws)
+        self.sender.unpark()  # reports the portal refused before are asked again (it may take them now)
         self.sender.kick()  # the portal is reachable: retry waiting reports now
 
     async def _serve(self, ws) -> None:
@@ -262,7 +263,8 @@ class Daemon:
     async def _heartbeats(self, ws) -> None:
         while True:
             await asyncio.sleep(self.heartbeat_interval_s)
-            await self._send({"type": p.HEARTBEAT}, ws)
+            # The spool's health rides along: queued reports, parked refusals, the oldest's age.
+            await self._send({"type": p.HEARTBEAT, "spool": self.sender.health()}, ws)
 
     async def _send(self, message: dict, ws=None) -> bool:
         ws = ws or self.ws
@@ -430,7 +432,8 @@ class Daemon:
 
     async def _send_snapshot(self, ws=None) -> None:
         self._snapshot_due = False
-        await self._send({"type": p.SNAPSHOT, "running": self.running()}, ws)
+        await self._send({"type": p.SNAPSHOT, "running": self.running(),
+                          "spool": self.sender.health() if self.sender is not None else None}, ws)
 
 
 def _describe_ws_error(exc: BaseException) -> str:

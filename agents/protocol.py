@@ -14,15 +14,20 @@ Transport
 WebSocket messages (JSON objects with a ``type``)
 -------------------------------------------------
 daemon → portal
-  hello      {version, host, backends: [..], cwds: [..], max_concurrency, sigint_timeout_s}
-  heartbeat  {}
-  snapshot   {running: [RunningTurn]}            on connect and whenever the running set changes
+  hello      {version, host, backends: [..], cwds: [..], max_concurrency, sigint_timeout_s, spool}
+  heartbeat  {spool, running: [turn id]}         running: the turns it runs (the portal reopens one
+                                                 it settled offline meanwhile)
+  snapshot   {running: [RunningTurn], queued: [turn id], spool}
+                                                 on connect and whenever the running set changes;
+                                                 queued: starts taken but waiting for capacity here
+             spool: the report spool's health {queued, parked, refused_total, unspooled,
+             oldest_queued_age_s, oldest_parked_age_s, last_refusal} (agents/spool.py)
   ack        {command}                           the command was received (delivered → acked)
   result     {command, result: {...}}            e.g. probe → {"held": bool}; done
 portal → daemon
   welcome    {connection, heartbeat_interval_s, heartbeat_timeout_s}
   command    {id, action, turn, payload}         replayed on reconnect until acked or expired
-  error      {code, message}
+  error      {code, message, detail?, in_reply_to?}   e.g. a frame that did not validate
 
 Command payloads
 ----------------
@@ -87,7 +92,14 @@ def new_report_id() -> str:
 
 
 def encode(message: dict) -> str:
-    return json.dumps(message, separators=(",", ":"), default=str)
+    # Non-ASCII text goes as itself (UTF-8 on the wire): escaped, each "é" would cost 6 bytes and a
+    # prompt within the portal's bound could become a frame beyond the peer's limit.
+    return json.dumps(message, separators=(",", ":"), default=str, ensure_ascii=False)
+
+
+def encoded_size(message: dict) -> int:
+    """The size in bytes of ``message`` on the wire."""
+    return len(encode(message).encode("utf-8"))
 
 
 def decode(raw: str | bytes) -> dict:
@@ -96,6 +108,8 @@ def decode(raw: str | bytes) -> dict:
         message = json.loads(raw)
     except (TypeError, ValueError) as exc:
         raise ValueError(f"not JSON: {exc}") from None
+    except RecursionError:  # nested deeper than the parser goes: refused like any malformed frame
+        raise ValueError("not JSON: nested too deeply") from None
     if not isinstance(message, dict) or not isinstance(message.get("type"), str):
         raise ValueError("a message is a JSON object with a string 'type'")
     return message

@@ -10,11 +10,18 @@ when the portal has answered for it.
   independent, so one turn the portal refuses does not hold up the others. A failed send is
   retried with exponential backoff (``kick()`` retries at once, e.g. after a reconnect).
 
-What an answer means: 2xx — applied (or applied before: the portal dedupes by ``report_id``), the
-file is deleted. 409 — the portal refuses it for good (e.g. the turn already ended) or has it
-already: deleted, logged. Other 4xx except 401/403/408/425/429 — the report is invalid, retrying
-cannot help: deleted, logged. Anything else (network error, 5xx, 401/403 while a key is being
-fixed, 429) — kept and retried, also after a daemon restart.
+What an answer means: 2xx — applied (or applied before: the portal dedupes by ``report_id`` and
+answers the same), the file is deleted. A refusal (409 other than ``idempotency_in_progress``, or
+another 4xx except 401/403/408/425/429) is **never dropped**: it is retried with a slow backoff a few
+times (the portal decides a refused report again each time — e.g. once the daemon's snapshot has
+reconciled the turn), then *parked*: moved to ``parked/``, logged, counted in ``health()`` (which the
+daemon sends with its hello, heartbeats and snapshots and the connection's page shows), and retried
+on the next reconnect. The lane goes on meanwhile. Anything else (network error, 5xx,
+``idempotency_in_progress``, 401/403 while a key is being fixed, 429) — kept and retried, also
+after a daemon restart.
+
+Spool writes (write, fsync, rename, fsync of the directory) run in one writer thread, off the event
+loop, in the order reports were submitted; a report is queued for sending only once it is on disk.
 
 Standard library only: the daemon side of ``agents/`` imports nothing of the portal.
 """
@@ -22,7 +29,9 @@ Standard library only: the daemon side of ``agents/`` imports nothing of the por
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import fcntl
+import functools
 import json
 import logging
 import os
@@ -41,7 +50,11 @@ NAME_RE = re.compile(r"^(\d{16})-([0-9A-Za-z_.-]{1,80})\.json$")
 BACKOFF_FIRST_S = 0.5
 BACKOFF_CAP_S = 30.0
 RETRY_FOREVER_4XX = {401, 403, 408, 425, 429}
+RETRY_CODES_409 = {"idempotency_in_progress"}  # the same report is being applied right now
 HTTP_TIMEOUT_S = 20.0
+REFUSED_BACKOFF_FIRST_S = 2.0
+REFUSED_ATTEMPTS = 6      # a refused report is asked again this often (~1 min at the cap) before it is parked
+PARKED_DIR = "parked"
 
 
 class SpoolLocked(RuntimeError):
@@ -60,6 +73,7 @@ class SpoolEntry:
     path: str      # the API path under /api/v1, e.g. /daemon/turns/<id>/advance
     body: dict
     created_at: float
+    answer: tuple[int, str] | None = None   # the portal's last answer (status, start of its body)
 
     @property
     def report_id(self) -> str:
@@ -73,6 +87,7 @@ class Spool:
         self.directory = directory
         os.makedirs(directory, mode=0o700, exist_ok=True)
         self.bad_dir = os.path.join(directory, "bad")
+        self.parked_dir = os.path.join(directory, PARKED_DIR)
         self._lock_fd = os.open(os.path.join(directory, ".lock"), os.O_RDWR | os.O_CREAT, 0o600)
         try:
             fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -112,12 +127,31 @@ class Spool:
 
     def pending(self) -> list[SpoolEntry]:
         """Every spooled report, oldest first. Unreadable files are moved to ``bad/``."""
+        return self._entries(self.directory)
+
+    def parked(self) -> list[SpoolEntry]:
+        """Reports the portal refused again and again, kept aside (see the module docstring)."""
+        if not os.path.isdir(self.parked_dir):
+            return []
+        return self._entries(self.parked_dir)
+
+    def park(self, entry: SpoolEntry) -> None:
+        os.makedirs(self.parked_dir, mode=0o700, exist_ok=True)
+        os.replace(os.path.join(self.directory, entry.name), os.path.join(self.parked_dir, entry.name))
+        _fsync_dir(self.parked_dir)
+        _fsync_dir(self.directory)
+
+    def unpark(self, entry: SpoolEntry) -> None:
+        os.replace(os.path.join(self.parked_dir, entry.name), os.path.join(self.directory, entry.name))
+        _fsync_dir(self.directory)
+
+    def _entries(self, directory: str) -> list[SpoolEntry]:
         entries = []
-        for name in sorted(os.listdir(self.directory)):
+        for name in sorted(os.listdir(directory)):
             match = NAME_RE.match(name)
             if not match:
                 continue
-            full = os.path.join(self.directory, name)
+            full = os.path.join(directory, name)
             try:
                 with open(full, "rb") as fh:
                     data = json.loads(fh.read())
@@ -185,12 +219,25 @@ def http_post(url: str, body: dict, *, key: str, timeout: float = HTTP_TIMEOUT_S
 Poster = Callable[[str, dict], Awaitable[tuple[int, str]]]
 
 
-def classify(status: int) -> str:
-    """'done' (delete), 'drop' (delete: refused for good), or 'retry'."""
+def error_code(text: str) -> str | None:
+    """The ``error.code`` of a §8 error body, if ``text`` is one."""
+    try:
+        body = json.loads(text)
+    except (TypeError, ValueError, RecursionError):
+        return None
+    error = body.get("error") if isinstance(body, dict) else None
+    code = error.get("code") if isinstance(error, dict) else None
+    return code if isinstance(code, str) else None
+
+
+def classify(status: int, text: str = "") -> str:
+    """'done' (delete), 'refused' (kept: asked again slowly, then parked — never dropped), or 'retry'."""
     if 200 <= status < 300:
         return "done"
+    if status == 409 and error_code(text) in RETRY_CODES_409:
+        return "retry"
     if 400 <= status < 500 and status not in RETRY_FOREVER_4XX:
-        return "drop"
+        return "refused"
     return "retry"
 
 
@@ -200,11 +247,22 @@ class ReportSender:
     """Sends spooled reports, in order per lane, with retries; see the module docstring."""
 
     def __init__(self, spool: Spool, post: Poster, *, backoff_first_s: float = BACKOFF_FIRST_S,
-                 backoff_cap_s: float = BACKOFF_CAP_S):
+                 backoff_cap_s: float = BACKOFF_CAP_S, refused_backoff_first_s: float = REFUSED_BACKOFF_FIRST_S,
+                 refused_attempts: int = REFUSED_ATTEMPTS):
         self.spool = spool
         self.post = post
         self.backoff_first_s = backoff_first_s
         self.backoff_cap_s = backoff_cap_s
+        self.refused_backoff_first_s = refused_backoff_first_s
+        self.refused_attempts = max(1, refused_attempts)
+        # One writer thread: spool writes leave the event loop but keep the order of submission.
+        self._writer = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="spool-writer")
+        self._writes: set[asyncio.Future] = set()
+        self._writing: dict[str, int] = {}          # lane -> reports being written
+        self._parked: dict[str, SpoolEntry] = {}   # name -> entry, for health()
+        self.refused_total = 0
+        self.unspooled = 0                         # reports that could not be written (disk full…), logged
+        self.last_refusal: dict | None = None
         self._lanes: dict[str, deque[SpoolEntry]] = {}
         self._workers: dict[str, asyncio.Task] = {}
         self._kick = asyncio.Event()
@@ -212,7 +270,6 @@ class ReportSender:
         self._idle.set()
         self._closed = False
         self.delivered = 0
-        self.dropped = 0
 
     # -- producing
     def load_pending(self) -> int:
@@ -220,13 +277,69 @@ class ReportSender:
         entries = self.spool.pending()
         for entry in entries:
             self._enqueue(entry)
+        self._parked = {entry.name: entry for entry in self.spool.parked()}
         return len(entries)
 
-    def submit(self, *, lane: str, path: str, body: dict) -> SpoolEntry:
-        """Spool a report durably, then queue it for sending. Returns once it is on disk."""
-        entry = self.spool.put(lane=lane, path=path, body=body)
-        self._enqueue(entry)
-        return entry
+    def submit(self, *, lane: str, path: str, body: dict) -> asyncio.Future:
+        """Spool a report durably in the writer thread, then queue it for sending.
+
+        Returns at once (the event loop never waits on fsync); the future answers the entry once the
+        report is on disk, and only then is it queued. ``drain()`` and ``close()`` wait for it.
+        """
+        self._idle.clear()
+        loop = asyncio.get_running_loop()
+        write = loop.run_in_executor(self._writer, functools.partial(self.spool.put, lane=lane, path=path, body=body))
+        self._writes.add(write)
+        self._writing[lane] = self._writing.get(lane, 0) + 1
+        write.add_done_callback(functools.partial(self._written, lane))  # callbacks run in completion order: the writer's FIFO
+        return write
+
+    def _written(self, lane: str, write: asyncio.Future) -> None:
+        self._writes.discard(write)
+        self._writing[lane] -= 1
+        if not self._writing[lane]:
+            del self._writing[lane]
+        if write.cancelled() or write.exception() is not None:
+            self.unspooled += 1
+            log.error("a report could not be written to the spool %s: %s", self.spool.directory,
+                      "cancelled" if write.cancelled() else write.exception())
+            self._maybe_idle()
+            return
+        self._enqueue(write.result())
+
+    def _maybe_idle(self) -> None:
+        if not self._lanes and not self._writes:
+            self._idle.set()
+
+    def unpark(self) -> int:
+        """Queue the parked reports again (e.g. after a reconnect: the portal may now accept them)."""
+        entries = sorted(self._parked.values(), key=lambda e: e.seq)
+        for entry in entries:
+            try:
+                self.spool.unpark(entry)
+            except OSError as exc:
+                log.error("parked report %s could not be moved back: %s", entry.report_id, exc)
+                continue
+            del self._parked[entry.name]
+            self._enqueue(entry)
+        if entries:
+            log.info("retrying %d parked report(s)", len(entries))
+        return len(entries)
+
+    def health(self) -> dict[str, Any]:
+        """What the spool holds, as the daemon reports it to the portal (the connection's page shows it)."""
+        now = time.time()
+        queued = [e for q in self._lanes.values() for e in q]
+        return {
+            "queued": len(queued) + len(self._writes),
+            "parked": len(self._parked),
+            "refused_total": self.refused_total,
+            "unspooled": self.unspooled,
+            "oldest_queued_age_s": round(now - min(e.created_at for e in queued), 1) if queued else None,
+            "oldest_parked_age_s": (round(now - min(e.created_at for e in self._parked.values()), 1)
+                                    if self._parked else None),
+            "last_refusal": self.last_refusal,
+        }
 
     def _enqueue(self, entry: SpoolEntry) -> None:
         self._lanes.setdefault(entry.lane, deque()).append(entry)
@@ -244,12 +357,16 @@ class ReportSender:
     def backlog(self) -> int:
         return sum(len(q) for q in self._lanes.values())
 
+    def lanes(self) -> list[str]:
+        """The lanes (turns) with reports waiting to be sent."""
+        return [lane for lane, queue in self._lanes.items() if queue]
+
     def has_pending(self, lane: str) -> bool:
         """Reports of this lane (a turn) wait to be sent."""
-        return bool(self._lanes.get(lane))
+        return bool(self._lanes.get(lane)) or lane in self._writing
 
     async def drain(self, timeout: float) -> bool:
-        """Wait until every queued report is delivered or dropped; False at the timeout."""
+        """Wait until every queued report is delivered or parked; False at the timeout."""
         self.kick()
         try:
             await asyncio.wait_for(self._idle.wait(), timeout)
@@ -260,6 +377,8 @@ class ReportSender:
     async def close(self) -> None:
         """Stop sending; what is unsent stays in the spool for the next start."""
         self._closed = True
+        await asyncio.gather(*list(self._writes), return_exceptions=True)  # every submitted report on disk
+        self._writer.shutdown(wait=True)
         workers = list(self._workers.values())
         for task in workers:
             task.cancel()
@@ -271,6 +390,7 @@ class ReportSender:
         queue = self._lanes[lane]
         delay = self.backoff_first_s
         failures = 0
+        refusals = 0
         try:
             while queue:
                 entry = queue[0]
@@ -280,11 +400,21 @@ class ReportSender:
                     kicked = await self._wait_retry(delay)
                     delay = self.backoff_first_s if kicked else min(self.backoff_cap_s, delay * 2)
                     continue
-                if failures:
-                    log.info("report %s delivered after %d failed attempt(s)", entry.report_id, failures)
-                failures = 0
+                if outcome == "refused":
+                    refusals += 1
+                    self._note_refusal(entry)
+                    if refusals < self.refused_attempts:
+                        # Slowly: the portal decides the report again each time (it may accept it once
+                        # the daemon's snapshot has reconciled the turn), but no hot loop.
+                        await self._wait_retry(self.refused_backoff_first_s * 2 ** (refusals - 1))
+                        continue
+                    self._park(entry, refusals)
+                elif failures or refusals:
+                    log.info("report %s delivered after %d failed attempt(s)", entry.report_id, failures + refusals)
+                if outcome == "done":
+                    self.spool.remove(entry)
+                failures = refusals = 0
                 delay = self.backoff_first_s
-                self.spool.remove(entry)
                 queue.popleft()
         finally:
             if self._workers.get(lane) is asyncio.current_task():
@@ -292,8 +422,25 @@ class ReportSender:
             if not queue:
                 self._lanes.pop(lane, None)
             # Cancelled with reports left (close()): they stay in the spool for the next start.
-            if not self._lanes:
-                self._idle.set()
+            self._maybe_idle()
+
+    def _note_refusal(self, entry: SpoolEntry) -> None:
+        status, text = entry.answer or (0, "")
+        self.refused_total += 1
+        self.last_refusal = {"report_id": entry.report_id, "path": entry.path, "status": status,
+                             "code": error_code(text) or "", "message": text[:300], "at": round(time.time(), 3)}
+
+    def _park(self, entry: SpoolEntry, refusals: int) -> None:
+        """Keep a refused report aside: on disk, logged, counted; retried on the next ``unpark()``."""
+        status, text = entry.answer or (0, "")
+        try:
+            self.spool.park(entry)
+        except OSError as exc:  # it stays where it is, so the next start sends it again
+            log.error("refused report %s could not be parked: %s", entry.report_id, exc)
+        self._parked[entry.name] = entry
+        log.error("report %s to %s refused by the portal %d time(s) (HTTP %s): %s — parked in %s (kept, shown "
+                  "in the connection's spool health, retried on the next reconnect)", entry.report_id, entry.path,
+                  refusals, status, text[:500], self.spool.parked_dir)
 
     async def _send(self, entry: SpoolEntry, *, quiet: bool = False) -> str:
         """One attempt. Failures to retry are logged at INFO on the 1st, 11th, 21st… attempt only."""
@@ -308,13 +455,13 @@ class ReportSender:
         except Exception as exc:  # noqa: BLE001 — a bug in posting must not lose the report
             log.exception("report %s (%s): unexpected error %s; will retry", entry.report_id, entry.path, exc)
             return "retry"
-        outcome = classify(status)
+        entry.answer = (status, text)
+        outcome = classify(status, text)
         if outcome == "done":
             self.delivered += 1
             log.debug("report %s delivered (%s %s)", entry.report_id, status, entry.path)
-        elif outcome == "drop":
-            self.dropped += 1
-            log.warning("report %s to %s refused by the portal (HTTP %s): %s — dropped",
+        elif outcome == "refused":
+            log.warning("report %s to %s refused by the portal (HTTP %s): %s — kept, will ask again",
                         entry.report_id, entry.path, status, text[:500])
         else:
             log.log(retry_level, "report %s to %s: HTTP %s %s; will retry", entry.report_id, entry.path, status,
@@ -349,4 +496,4 @@ def report_path_events(turn: str) -> str:
 
 
 def spool_summary(spool: Spool) -> dict[str, Any]:
-    return {"directory": spool.directory, "pending": spool.count()}
+    return {"directory": spool.directory, "pending": spool.count(), "parked": len(spool.parked())}

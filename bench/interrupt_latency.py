@@ -319,6 +319,7 @@ class Bench:
         def ready():
             output = Event.objects.filter(stream=f"session:{session_id}", kind="turn.output")
             for data in output.values_list("data", flat=True):
+                data = data.get("data") or {}  # the agent's own data, nested by the bridge
                 for key in keys:
                     if key in data:
                         found[key] = int(data[key])
@@ -377,7 +378,7 @@ class Bench:
             at = getattr(command, name, None)
             stages[f"command_{name[:-3]}"] = None if at is None else (at.timestamp() - t0_wall) * 1000
         stopping = Event.objects.filter(stream=f"session:{session_id}", kind="turn.output",
-                                        data__message="stopping").exists()
+                                        data__data__message="stopping").exists()
         return {"status": turn.status, "reason": turn.interrupted_reason, "stop_state": turn.stop_state,
                 "stages": stages, "stopping_line": stopping, "background_processes": turn.background_processes}
 

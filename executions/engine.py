@@ -475,7 +475,8 @@ def turn_outcome(turn: Turn) -> dict:
     found = {}
     for event in Event.objects.filter(stream=turn.stream, kind="turn.output", data__id=str(turn.pk),
                                       data__type="outcome").order_by("id"):
-        found = {k: v for k, v in event.data.items() if k in {"intent", "ref", "summary"}}
+        agent = event.data.get("data") or {}  # the agent's own data, nested (sessions_app.bridge)
+        found = {k: v for k, v in agent.items() if k in {"intent", "ref", "summary"}}
     return found
 
 

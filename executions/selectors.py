@@ -133,7 +133,7 @@ def attempt_evidence(run: Run) -> list[dict]:
     if turn_ids:
         for data in (Event.objects.filter(stream__in=streams, kind="turn.output", data__type="tool",
                                           data__id__in=turn_ids).values_list("data", flat=True)[:2000]):
-            tools.setdefault(data.get("id"), []).append(data.get("name") or "tool")
+            tools.setdefault(data.get("id"), []).append((data.get("data") or {}).get("name") or "tool")
     acceptance = {"in_review": "awaiting review", "done": "accepted", "cancelled": "cancelled"}.get(
         run.issue.status, f"not delivered ({run.issue.status})")
     return [{

@@ -63,7 +63,8 @@ class ConnectionAdmin(OpsAdmin):
             self, r, object_id)), name="sessions_app_connection_start")] + super().get_urls()
 
     def extra_detail_context(self, request, obj):
-        return {"can_start": request.user.has_perm("sessions_app.start_session")}
+        return {"can_start": request.user.has_perm("sessions_app.start_session"),
+                "spool": selectors.connection_spool_health(obj)}
 
 
 @admin.register(Session)

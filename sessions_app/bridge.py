@@ -8,12 +8,14 @@ is applied once per report id.
 from __future__ import annotations
 
 import hmac
+import json
 import logging
 from datetime import timedelta
 
 from asgiref.sync import async_to_sync
 from channels.layers import get_channel_layer
 from django.db import transaction
+from django.db.models.expressions import RawSQL
 from django.utils import timezone
 
 from agents import protocol
@@ -56,7 +58,7 @@ def connection_daemon_connected(*, connection_id, hello: dict) -> Connection:
     fields = {
         "last_heartbeat_at": now,
         "daemon_version": str(hello.get("version", ""))[:32],
-        "capabilities": {k: hello.get(k) for k in ("backends", "cwds", "max_concurrency", "sigint_timeout_s")
+        "capabilities": {k: hello.get(k) for k in ("backends", "cwds", "max_concurrency", "sigint_timeout_s", "spool")
                          if k in hello},
     }
     if hello.get("host"):
@@ -98,10 +100,25 @@ def sessions_auto_resume_crashed(*, connection: Connection) -> list[str]:
     return resumed
 
 
-def connection_heartbeat(*, connection_id) -> None:
+def _with_spool_health(spool: dict | None) -> dict:
+    """The UPDATE fields that keep a daemon's spool health (``capabilities["spool"]``, merged in one
+    statement: a heartbeat must not overwrite what a concurrent hello stored)."""
+    if spool is None:
+        return {}
+    return {"capabilities": RawSQL("COALESCE(capabilities, '{}'::jsonb) || %s::jsonb",
+                                   [json.dumps({"spool": spool})])}
+
+
+def connection_store_spool_health(*, connection_id, spool: dict) -> None:
+    """What the daemon's report spool holds (queued, parked refusals, oldest age): the connection's
+    page shows it, so a report the portal refused is never lost from sight (issue 7 item 3)."""
+    Connection.objects.filter(pk=connection_id).update(**_with_spool_health(spool))
+
+
+def connection_heartbeat(*, connection_id, spool: dict | None = None) -> None:
     # Frequent and cheap: no event; the status flips back online if a sweep had marked it offline.
     updated = Connection.objects.filter(pk=connection_id).exclude(status=states.CONN_OFFLINE).update(
-        last_heartbeat_at=timezone.now())
+        last_heartbeat_at=timezone.now(), **_with_spool_health(spool))
     if not updated:
         try:
             services.connection_set_status(connection_id=connection_id, status=states.CONN_ONLINE,
@@ -403,6 +420,8 @@ def _apply_events(connection: Connection, turn_id, events: list) -> dict:
         data = raw.get("data") if isinstance(raw.get("data"), dict) else {}
         if raw["kind"] == protocol.EV_SESSION and data.get("id") and not turn.session.backend_session_id:
             Session.objects.filter(pk=turn.session_id).update(backend_session_id=str(data["id"])[:255])
-        items.append({"kind": "turn.output", "data": {"id": str(turn.pk), "type": raw["kind"], **data}})
+        # The agent's data sits under its own key: its ``id`` (a backend session id, a tool call id)
+        # must not overwrite the turn's, which the timelines and the engine filter on.
+        items.append({"kind": "turn.output", "data": {"id": str(turn.pk), "type": raw["kind"], "data": data}})
     events_append_many(stream=turn.stream, items=items)
     return {"accepted": len(items), "skipped": len(events) - len(items)}

@@ -15,7 +15,9 @@ from django.conf import settings
 
 from agents import protocol
 
-from . import bridge
+from chorus_site.errors import ApplicationError
+
+from . import bridge, daemon_schemas
 
 log = logging.getLogger(__name__)
 
@@ -72,23 +74,37 @@ class DaemonConsumer(AsyncWebsocketConsumer):
         except ValueError as exc:
             return await self._send({"type": protocol.ERROR, "code": "bad_request", "message": str(exc)})
         kind = message["type"]
+        if kind not in daemon_schemas.FRAMES:
+            return await self._send({"type": protocol.ERROR, "code": "bad_request", "message": f"unknown type {kind!r}"})
+        try:
+            # Every frame is validated before anything of it is stored (issue 7 item 13); a frame that
+            # does not validate, or that a service refuses, is answered with an error frame and the
+            # socket stays up.
+            frame = daemon_schemas.validated(daemon_schemas.FRAMES[kind], message)
+            await self._handle(kind, frame)
+        except ApplicationError as error:
+            await self._send({"type": protocol.ERROR, "code": error.code, "message": error.message,
+                              "detail": error.detail, "in_reply_to": kind})
+
+    async def _handle(self, kind: str, frame):
         cid = self.connection_id
+        spool = frame.spool.model_dump(mode="json") if getattr(frame, "spool", None) is not None else None
         if kind == protocol.HEARTBEAT:
-            await database_sync_to_async(bridge.connection_heartbeat)(connection_id=cid)
+            await database_sync_to_async(bridge.connection_heartbeat)(connection_id=cid, spool=spool)
         elif kind == protocol.HELLO:
-            await database_sync_to_async(bridge.connection_daemon_connected)(connection_id=cid, hello=message)
+            hello = frame.model_dump(mode="json", exclude_none=True)
+            await database_sync_to_async(bridge.connection_daemon_connected)(connection_id=cid, hello=hello)
             await self.commands_push({})
         elif kind == protocol.SNAPSHOT:
-            running = message.get("running") if isinstance(message.get("running"), list) else []
+            running = frame.model_dump(mode="json")["running"]
             await database_sync_to_async(bridge.connection_store_snapshot)(connection_id=cid, running=running)
+            if spool is not None:
+                await database_sync_to_async(bridge.connection_store_spool_health)(connection_id=cid, spool=spool)
         elif kind == protocol.ACK:
-            await database_sync_to_async(bridge.command_acked)(connection_id=cid, command_id=message.get("command"))
+            await database_sync_to_async(bridge.command_acked)(connection_id=cid, command_id=frame.command)
         elif kind == protocol.RESULT:
-            result = message.get("result") if isinstance(message.get("result"), dict) else {}
-            await database_sync_to_async(bridge.command_result)(connection_id=cid, command_id=message.get("command"),
-                                                                result=result)
-        else:
-            await self._send({"type": protocol.ERROR, "code": "bad_request", "message": f"unknown type {kind!r}"})
+            await database_sync_to_async(bridge.command_result)(connection_id=cid, command_id=frame.command,
+                                                                result=frame.result)
 
     async def commands_push(self, event):
         """Deliver every pending command (also after a reconnect: they were persisted first)."""

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import shlex
-from datetime import timedelta
+from datetime import datetime, timedelta
 
 from django.conf import settings
 from django.db.models import QuerySet
@@ -68,6 +68,20 @@ def connection_out(c: Connection) -> dict:
         "last_heartbeat_at": c.last_heartbeat_at, "daemon_version": c.daemon_version,
         "capabilities": c.capabilities, "created_at": c.created_at,
     }
+
+
+def connection_spool_health(c: Connection) -> dict:
+    """What the daemon last said of its report spool (hello, heartbeats, snapshots), for its page."""
+    spool = (c.capabilities or {}).get("spool")
+    if not isinstance(spool, dict):
+        return {"reported": False}
+    out = {"reported": True, "queued": 0, "parked": 0, "refused_total": 0, "unspooled": 0,
+           "oldest_queued_age_s": None, "oldest_parked_age_s": None, "last_refusal": None, **spool}
+    refusal = out["last_refusal"]
+    if isinstance(refusal, dict) and isinstance(refusal.get("at"), (int, float)):
+        at = datetime.fromtimestamp(refusal["at"], tz=timezone.get_current_timezone())
+        out["last_refusal"] = {**refusal, "at_text": at.strftime("%Y-%m-%d %H:%M:%S")}
+    return out
 
 
 def session_out(s: Session, *, detail: bool = False) -> dict:

@@ -109,7 +109,7 @@ class Conversations(RuleBasedStateMachine):
             from chorus_site.events import event_append
 
             event_append(stream=turn.stream, kind="turn.output",
-                         data={"id": str(turn.pk), "type": "outcome", "intent": "succeeded"})
+                         data={"id": str(turn.pk), "type": "outcome", "data": {"intent": "succeeded"}})
             self.report(turn, status="ended", final_reply="done")
         elif how == "crash":
             self.report(turn, status="interrupted", reason="crash",

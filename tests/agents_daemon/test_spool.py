@@ -73,13 +73,19 @@ def test_one_daemon_per_spool_dir(tmp_path):
     Spool(str(tmp_path)).close()
 
 
-@pytest.mark.parametrize("status, outcome", [
-    (200, "done"), (201, "done"), (204, "done"),
-    (400, "drop"), (404, "drop"), (409, "drop"), (422, "drop"),
-    (401, "retry"), (403, "retry"), (408, "retry"), (429, "retry"), (500, "retry"), (502, "retry"), (503, "retry"),
+IN_PROGRESS = json.dumps({"error": {"code": "idempotency_in_progress", "message": "retry shortly", "detail": {}}})
+REFUSED = json.dumps({"error": {"code": "invalid_transition", "message": "turn ended", "detail": {}}})
+
+
+@pytest.mark.parametrize("status, text, outcome", [
+    (200, "", "done"), (201, "", "done"), (204, "", "done"),
+    (400, "", "refused"), (404, "", "refused"), (409, "", "refused"), (409, REFUSED, "refused"), (422, "", "refused"),
+    (409, IN_PROGRESS, "retry"),
+    (401, "", "retry"), (403, "", "retry"), (408, "", "retry"), (429, "", "retry"), (500, "", "retry"),
+    (502, "", "retry"), (503, "", "retry"),
 ])
-def test_classify(status, outcome):
-    assert classify(status) == outcome
+def test_classify(status, text, outcome):
+    assert classify(status, text) == outcome
 
 
 async def test_sends_in_order_per_lane_and_deletes_after_2xx(tmp_path):
@@ -98,18 +104,94 @@ async def test_sends_in_order_per_lane_and_deletes_after_2xx(tmp_path):
     spool.close()
 
 
-async def test_refused_reports_are_dropped_and_do_not_block_the_lane(tmp_path):
+async def test_refused_reports_are_parked_never_dropped_and_do_not_block_the_lane(tmp_path):
+    """Issue 7 item 3: a refusal is asked again slowly, then parked on disk, counted and retried later."""
     portal = FakePortal()
     portal.status_for = {"r1": 409, "r2": 400}
     spool = Spool(str(tmp_path))
-    sender = ReportSender(spool, portal.post, backoff_first_s=0.01)
+    sender = ReportSender(spool, portal.post, backoff_first_s=0.01, refused_backoff_first_s=0.01,
+                          refused_attempts=3)
     for rid in ("r1", "r2", "r3"):
         sender.submit(lane="t", path="/daemon/turns/t/advance", body={"report_id": rid})
     assert await sender.drain(5)
-    assert [b["report_id"] for _, b in portal.received] == ["r1", "r2", "r3"]
-    assert sender.dropped == 2 and sender.delivered == 1 and spool.count() == 0
+    assert [b["report_id"] for _, b in portal.received] == ["r1"] * 3 + ["r2"] * 3 + ["r3"]
+    assert sender.delivered == 1 and spool.count() == 0
+    assert sorted(n.split("-", 1)[1] for n in os.listdir(tmp_path / "parked")) == ["r1.json", "r2.json"]
+    health = sender.health()
+    assert (health["queued"], health["parked"], health["refused_total"]) == (0, 2, 6)
+    assert health["oldest_parked_age_s"] is not None and health["last_refusal"]["report_id"] == "r2"
+    assert health["last_refusal"]["status"] == 400
     await sender.close()
     spool.close()
+
+    # Kept across a restart, and sent again once the portal takes them (e.g. after a reconnect).
+    spool = Spool(str(tmp_path))
+    sender = ReportSender(spool, portal.post, backoff_first_s=0.01)
+    assert sender.load_pending() == 0 and sender.health()["parked"] == 2
+    portal.status_for = {}
+    assert sender.unpark() == 2
+    assert await sender.drain(5)
+    assert portal.applied == {"r1": 1, "r2": 1, "r3": 1}
+    assert sender.health()["parked"] == 0 and not os.listdir(tmp_path / "parked") and spool.count() == 0
+    await sender.close()
+    spool.close()
+
+
+async def test_a_409_in_progress_is_retried_until_applied(tmp_path):
+    answers = [(409, IN_PROGRESS), (409, IN_PROGRESS), (200, "{}")]
+    seen = []
+
+    async def post(path, body):
+        seen.append(body["report_id"])
+        return answers.pop(0)
+
+    spool = Spool(str(tmp_path))
+    sender = ReportSender(spool, post, backoff_first_s=0.01, refused_attempts=1)
+    sender.submit(lane="t", path="/p", body={"report_id": "x"})
+    assert await sender.drain(5)
+    assert seen == ["x", "x", "x"] and sender.delivered == 1 and sender.health()["parked"] == 0
+    await sender.close()
+    spool.close()
+
+
+async def test_spool_writes_run_off_the_event_loop_and_a_report_is_on_disk_before_it_is_sent(tmp_path):
+    import threading
+
+    spool = Spool(str(tmp_path))
+    writers = []
+    put = spool.put
+
+    def recording_put(**kwargs):
+        writers.append(threading.current_thread())
+        return put(**kwargs)
+
+    spool.put = recording_put
+    on_disk = []
+
+    async def post(path, body):
+        on_disk.append(any(n.endswith(f"-{body['report_id']}.json") for n in os.listdir(tmp_path)))
+        return 200, ""
+
+    sender = ReportSender(spool, post, backoff_first_s=0.01)
+    futures = [sender.submit(lane="t", path="/p", body={"report_id": f"r{i}"}) for i in range(20)]
+    assert await sender.drain(5)
+    assert writers and all(t is not threading.main_thread() for t in writers)
+    assert on_disk == [True] * 20
+    assert [(await f).report_id for f in futures] == [f"r{i}" for i in range(20)]  # in submission order
+    await sender.close()
+    spool.close()
+
+
+async def test_close_waits_for_every_submitted_report_to_be_on_disk(tmp_path):
+    portal = FakePortal()
+    portal.down = True
+    spool = Spool(str(tmp_path))
+    sender = ReportSender(spool, portal.post, backoff_first_s=0.01)
+    for i in range(10):
+        sender.submit(lane="t", path="/p", body={"report_id": f"r{i}"})
+    await sender.close()
+    spool.close()
+    assert len([n for n in os.listdir(tmp_path) if n.endswith(".json")]) == 10
 
 
 async def test_retries_with_backoff_and_blocks_only_its_lane(tmp_path):

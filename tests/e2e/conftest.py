@@ -284,8 +284,9 @@ def alive(pid: int) -> bool:
 def output_value(turn, key, timeout=20):
     def find():
         for event in Event.objects.filter(stream=turn.stream, kind="turn.output").order_by("id"):
-            if key in event.data:
-                return event.data[key]
+            agent = event.data.get("data") or {}  # the agent's own data (nested by the bridge)
+            if key in agent:
+                return agent[key]
         return None
 
     return wait_until(find, timeout=timeout, message=f"agent output with {key}")

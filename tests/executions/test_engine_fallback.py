@@ -81,7 +81,7 @@ def finish_with(connection, attempt, intent, **extra):
     turn = attempt.turn
     bridge._apply_advance(connection, turn.pk, {"report_id": str(uuid.uuid4()), "status": "running"})
     event_append(stream=turn.stream, kind="turn.output",
-                 data={"id": str(turn.pk), "type": "outcome", "intent": intent, **extra})
+                 data={"id": str(turn.pk), "type": "outcome", "data": {"intent": intent, **extra}})
     bridge._apply_advance(connection, turn.pk, {"report_id": str(uuid.uuid4()), "status": "ended"})
     engine.run_tick_apply(run_id=attempt.task.node.run_id)
 
