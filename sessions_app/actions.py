@@ -179,7 +179,11 @@ def session_message(*, actor, session_id, prompt: str, client: str = "api", reas
         raise ApplicationError("bad_request", "prompt must not be empty")
     session = _get(Session, session_id)
     if session.status != states.SESSION_ACTIVE:
-        raise ApplicationError("invalid_transition", "the session has ended; hand it off to continue")
+        # A session ends only by a hand-off: the work goes on in the session it was handed to.
+        successor = Session.objects.filter(handoff_from=session).values_list("pk", flat=True).first()
+        raise ApplicationError("invalid_transition", "the session has ended (it was handed off): send the message to "
+                               f"the session it was handed to{f' ({successor})' if successor else ''}",
+                               {"handed_off_to": str(successor) if successor else None})
     _require_live(session.connection)
     with transaction.atomic():
         answer = _queue_turn(session, trigger="human_instruction", prompt=prompt, actor=actor)
