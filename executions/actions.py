@@ -193,26 +193,19 @@ def issue_reopen(*, actor, issue_id, expected_version=None, client="api", reason
 
 
 def task_retry(*, actor, task_id, client="api", reason=None, idempotency_key=None) -> dict:
-    """A new task for the node (the finished task stays as it was)."""
-    task = AgentTask.objects.select_related("node__run").filter(pk=task_id).first()
-    if task is None:
-        raise ApplicationError("not_found", "not found")
-    node, run = task.node, task.node.run
-    if task.status not in states.TASK_TERMINAL:
-        raise ApplicationError("invalid_transition", "the task is still active: cancel it first")
-    if node.state in states.NODE_TERMINAL or run.state in states.RUN_TERMINAL:
-        raise ApplicationError("invalid_transition", "the node has finished: rerun the run instead",
-                               {"node": node.state, "run": run.state})
+    """A new task for the node (the finished task stays as it was); ``changed: false`` when the node
+    already has an active task (a concurrent retry, or the engine's own, made it)."""
     with transaction.atomic():
-        new = AgentTask.objects.create(node=node, ordinal=node.tasks.count() + 1, retry_of=task)
-        from chorus_site.events import event_append
-
-        event_append(stream=run.stream, kind="task.created", actor=getattr(actor, "username", ""),
-                     data={"id": str(new.pk), "node": str(node.pk), "ordinal": new.ordinal, "retry_of": str(task.pk)})
-        audit_record(actor=actor, action="task.retry", target=f"task:{task.pk}", outcome=f"new task {new.pk}",
+        new, created = services.task_retry(task_id=task_id, actor=actor)
+        if not created:
+            audit_record(actor=actor, action="task.retry", target=f"task:{task_id}",
+                         outcome=f"unchanged: task {new.pk} is already active", client=client, reason=reason,
+                         idempotency_key=idempotency_key)
+            return {"changed": False, "task": str(new.pk), "status": new.status}
+        audit_record(actor=actor, action="task.retry", target=f"task:{task_id}", outcome=f"new task {new.pk}",
                      client=client, reason=reason, idempotency_key=idempotency_key)
-        engine.schedule_tick(run.pk)
-    return {"changed": True, "task": str(new.pk), "retry_of": str(task.pk)}
+        engine.schedule_tick(new.node.run_id)
+    return {"changed": True, "task": str(new.pk), "retry_of": str(task_id)}
 
 
 def task_cancel(*, actor, task_id, client="api", reason=None, idempotency_key=None) -> dict:

@@ -134,7 +134,8 @@ def schedule_tick(run_id) -> None:
 def run_tick_apply(*, run_id) -> str:
     """Advance one run as far as it can go now; returns its state."""
     with transaction.atomic():
-        run = Run.objects.select_for_update().filter(pk=run_id).first()
+        services.run_lock(run_id)  # first, its parents' before it (lock order: chorus_site/transitions.py)
+        run = Run.objects.filter(pk=run_id).first()
         if run is None or run.state in states.RUN_TERMINAL:
             return run.state if run else "missing"
         _converge_attempts(run)
@@ -222,12 +223,8 @@ def _dispatch_node(run: Run, node: RunNode) -> dict | None:
         latest = node.tasks.order_by("-ordinal").first()
         if node.state == "waiting" or (latest is not None and latest.status == "cancelled"):
             return None  # an operator cancelled it: only a task retry (or a rerun) goes on
-        task = AgentTask.objects.create(node=node, ordinal=(node.tasks.count() + 1),
-                                        retry_of=node.tasks.order_by("-ordinal").first(),
-                                        leader=bool(node.config.get("leader")))
-        event_append(stream=run.stream, kind="task.created",
-                     data={"id": str(task.pk), "node": str(node.pk), "ordinal": task.ordinal,
-                           "retry_of": str(task.retry_of_id) if task.retry_of_id else None})
+        task = services.task_create(node_id=node.pk, retry_of_id=latest.pk if latest else None,
+                                    leader=bool(node.config.get("leader")))
     attempt = task.attempts.exclude(state__in=states.ATTEMPT_TERMINAL).first()
     if attempt is not None:
         return None
@@ -561,7 +558,8 @@ def _finish_cancel(run: Run, nodes: list[RunNode]) -> str:
 def run_add_members(*, run_id, lead_task: AgentTask, nodes: list[dict]) -> dict:
     """Adaptive runs: the lead's agent adds member nodes; the run completes when all have (§6.1)."""
     with transaction.atomic():
-        run = Run.objects.select_for_update().get(pk=run_id)
+        services.run_lock(run_id)
+        run = Run.objects.get(pk=run_id)
         if run.mode != "adaptive" or run.state in states.RUN_TERMINAL or run.state == "cancelling":
             raise ApplicationError("invalid_transition", f"members can be added to a live adaptive run only "
                                                          f"(this one is {run.mode}, {run.state})")

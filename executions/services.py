@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import hashlib
 
+from django.core.exceptions import ValidationError
 from django.db import transaction
-from django.db.models import F, Value
+from django.db.models import F, Max, Value
 from django.db.models.functions import Coalesce
 from django.utils import timezone
 
@@ -18,16 +19,47 @@ from . import states
 from .models import AgentTask, Approval, Artifact, Attempt, Comment, Issue, Run, RunNode
 
 
-def _run_stream_of(model, pk) -> str:
-    lookups = {
-        Run: "id",
-        RunNode: "run_id",
-        AgentTask: "node__run_id",
-        Attempt: "task__node__run_id",
-    }
-    run_id = model.objects.filter(pk=pk).values_list(lookups[model], flat=True).first()
+def run_lock(run_id) -> None:
+    """Take the run's row lock (FOR NO KEY UPDATE), its parent runs' first; call inside the transaction.
+
+    Every transaction that changes a run's rows or appends to its stream takes this before anything
+    else of the run (the lock order in chorus_site/transitions.py), so the tick, retries, the agents'
+    talk-back and operator actions on one run are serialised and cannot deadlock.  Taking it again in
+    the same transaction costs a query and waits for nothing.
+    """
+    chain = [run_id]
+    while len(chain) < 20:  # runs nest a few levels at most; a cycle cannot be stored, but never loop
+        parent = Run.objects.filter(pk=chain[-1]).values_list("parent_run_id", flat=True).first()
+        if parent is None or parent in chain:
+            break
+        chain.append(parent)
+    for pk in reversed(chain):
+        Run.objects.select_for_update(no_key=True).filter(pk=pk).values("pk").first()
+
+
+_RUN_OF = {
+    Run: "id",
+    RunNode: "run_id",
+    AgentTask: "node__run_id",
+    Attempt: "task__node__run_id",
+    Approval: "node__run_id",
+}
+
+
+def _run_id_of(model, pk):
+    try:
+        run_id = model.objects.filter(pk=pk).values_list(_RUN_OF[model], flat=True).first()
+    except (ValueError, TypeError, ValidationError):
+        run_id = None
     if run_id is None:
         raise ApplicationError("not_found", f"{model._meta.verbose_name} {pk} does not exist")
+    return run_id
+
+
+def _lock_run_of(model, pk) -> str:
+    """Lock the run that ``model(pk)`` belongs to (run lock first); returns the run's stream."""
+    run_id = _run_id_of(model, pk)
+    run_lock(run_id)
     return f"run:{run_id}"
 
 
@@ -36,7 +68,7 @@ def _check_version(model, pk, expected_version):
     callers holding the same version cannot both act (the second sees the new version)."""
     if expected_version is None:
         return
-    current = model.objects.select_for_update().filter(pk=pk).values_list("version", flat=True).first()
+    current = model.objects.select_for_update(no_key=True).filter(pk=pk).values_list("version", flat=True).first()
     if current is not None and current != expected_version:
         raise ApplicationError("version_conflict", f"{model._meta.verbose_name} changed meanwhile",
                                {"expected_version": expected_version, "current_version": current})
@@ -53,6 +85,7 @@ def run_set_state(*, run_id, state: str, actor=None, expected_version: int | Non
         updates.setdefault("wait_reason", "")
     updates["version"] = F("version") + 1
     with transaction.atomic():
+        run_lock(run_id)
         _check_version(Run, run_id, expected_version)
         return transition(
             model=Run, pk=run_id, field="state", table=states.RUN_TRANSITIONS, to=state, stream=f"run:{run_id}",
@@ -62,17 +95,19 @@ def run_set_state(*, run_id, state: str, actor=None, expected_version: int | Non
 
 
 def node_set_state(*, node_id, state: str, actor=None, **updates) -> RunNode:
-    return transition(
-        model=RunNode, pk=node_id, field="state", table=states.NODE_TRANSITIONS, to=state,
-        stream=_run_stream_of(RunNode, node_id), kind="node.state", actor=actor_name(actor), updates=updates,
-    )
+    with transaction.atomic():
+        return transition(
+            model=RunNode, pk=node_id, field="state", table=states.NODE_TRANSITIONS, to=state,
+            stream=_lock_run_of(RunNode, node_id), kind="node.state", actor=actor_name(actor), updates=updates,
+        )
 
 
 def task_set_status(*, task_id, status: str, actor=None, **updates) -> AgentTask:
-    return transition(
-        model=AgentTask, pk=task_id, field="status", table=states.TASK_TRANSITIONS, to=status,
-        stream=_run_stream_of(AgentTask, task_id), kind="task.status", actor=actor_name(actor), updates=updates,
-    )
+    with transaction.atomic():
+        return transition(
+            model=AgentTask, pk=task_id, field="status", table=states.TASK_TRANSITIONS, to=status,
+            stream=_lock_run_of(AgentTask, task_id), kind="task.status", actor=actor_name(actor), updates=updates,
+        )
 
 
 def attempt_set_state(*, attempt_id, state: str, actor=None, **updates) -> Attempt:
@@ -81,10 +116,12 @@ def attempt_set_state(*, attempt_id, state: str, actor=None, **updates) -> Attem
         updates.setdefault("started_at", Coalesce(F("started_at"), Value(now)))
     if state in states.ATTEMPT_TERMINAL:
         updates.setdefault("ended_at", now)
-    return transition(
-        model=Attempt, pk=attempt_id, field="state", table=states.ATTEMPT_TRANSITIONS, to=state,
-        stream=_run_stream_of(Attempt, attempt_id), kind="attempt.state", actor=actor_name(actor), updates=updates,
-    )
+    with transaction.atomic():
+        return transition(
+            model=Attempt, pk=attempt_id, field="state", table=states.ATTEMPT_TRANSITIONS, to=state,
+            stream=_lock_run_of(Attempt, attempt_id), kind="attempt.state", actor=actor_name(actor),
+            updates=updates,
+        )
 
 
 def attempt_record_outcome(*, attempt_id, intent: str, ref: str | None = None, summary: str | None = None) -> dict:
@@ -95,15 +132,15 @@ def attempt_record_outcome(*, attempt_id, intent: str, ref: str | None = None, s
     if intent == "waiting" and not (ref and _work_exists(ref)):
         raise ApplicationError("bad_request", "a waiting outcome needs ref: the id of an existing issue or run")
     with transaction.atomic():
-        attempt = Attempt.objects.select_for_update().filter(pk=attempt_id).first()
+        stream = _lock_run_of(Attempt, attempt_id)  # before the attempt's row: the tick's order
+        attempt = Attempt.objects.select_for_update(no_key=True).filter(pk=attempt_id).first()
         if attempt is None:
             raise ApplicationError("not_found", "not found")
         if attempt.state in states.ATTEMPT_TERMINAL:
             raise ApplicationError("invalid_transition", f"the attempt is already {attempt.state}")
         outcome = {"intent": intent, "summary": (summary or "")[:2000], "waiting_on": ref}
         Attempt.objects.filter(pk=attempt.pk).update(outcome=outcome)
-        event_append(stream=_run_stream_of(Attempt, attempt.pk), kind="attempt.outcome",
-                     data={"id": str(attempt.pk), **outcome})
+        event_append(stream=stream, kind="attempt.outcome", data={"id": str(attempt.pk), **outcome})
     return outcome
 
 
@@ -121,7 +158,7 @@ def issue_set_status(*, issue_id, status: str, actor=None, expected_version: int
     """Issue workflow; ``blocked`` remembers where it came from and may only return there."""
     with transaction.atomic():
         _check_version(Issue, issue_id, expected_version)
-        issue = Issue.objects.select_for_update().filter(pk=issue_id).first()
+        issue = Issue.objects.select_for_update(no_key=True).filter(pk=issue_id).first()
         if issue is None:
             raise ApplicationError("not_found", f"issue {issue_id} does not exist")
         updates = {"version": F("version") + 1}
@@ -147,6 +184,8 @@ def approval_set_status(*, approval_id, status: str, actor=None, expected_versio
     node_run = Approval.objects.filter(pk=approval_id).values_list("node__run_id", flat=True).first()
     stream = f"run:{node_run}" if node_run else f"approval:{approval_id}"
     with transaction.atomic():
+        if node_run:
+            run_lock(node_run)
         _check_version(Approval, approval_id, expected_version)
         return transition(
             model=Approval, pk=approval_id, field="status", table=states.APPROVAL_TRANSITIONS, to=status,
@@ -175,6 +214,10 @@ def comment_add(*, issue_id, body: str, author: str, type: str = "comment", sour
     if type not in states.COMMENT_TYPES:
         raise ApplicationError("bad_request", f"unknown comment type {type!r}", {"allowed": states.COMMENT_TYPES})
     with transaction.atomic():
+        if source_attempt_id or source_task_id:
+            # An agent's comment: its run's lock first, as the tick takes it (lock order).
+            run_lock(_run_id_of(Attempt, source_attempt_id) if source_attempt_id else
+                     _run_id_of(AgentTask, source_task_id))
         comment = Comment.objects.create(issue_id=issue_id, body=body, author=author, type=type,
                                          source_task_id=source_task_id, source_attempt_id=source_attempt_id)
         event_append(stream=f"issue:{issue_id}", kind="comment.added",
@@ -187,6 +230,9 @@ def artifact_add(*, issue_id, kind: str, name: str, content: str, run_id=None, a
         raise ApplicationError("bad_request", f"unknown artifact kind {kind!r}", {"allowed": states.ARTIFACT_KINDS})
     raw = content.encode()
     with transaction.atomic():
+        if run_id or attempt_id:
+            # Its run's lock first, as the tick takes it (lock order in chorus_site/transitions.py).
+            run_lock(run_id or _run_id_of(Attempt, attempt_id))
         artifact = Artifact.objects.create(issue_id=issue_id, run_id=run_id, attempt_id=attempt_id, kind=kind,
                                            name=name, content=content, sha256=hashlib.sha256(raw).hexdigest(),
                                            size=len(raw))
@@ -194,3 +240,39 @@ def artifact_add(*, issue_id, kind: str, name: str, content: str, run_id=None, a
             event_append(stream=f"run:{run_id}", kind="artifact.added",
                          data={"id": str(artifact.id), "name": name, "kind": kind})
     return artifact
+
+
+# ---------------------------------------------------------------- tasks
+def task_create(*, node_id, retry_of_id=None, leader: bool = False, actor=None) -> AgentTask:
+    """A new task of a node with the next ordinal; the run's row lock makes the choice safe."""
+    with transaction.atomic():
+        run_id = _run_id_of(RunNode, node_id)
+        run_lock(run_id)
+        ordinal = (AgentTask.objects.filter(node_id=node_id).aggregate(m=Max("ordinal"))["m"] or 0) + 1
+        task = AgentTask.objects.create(node_id=node_id, ordinal=ordinal, retry_of_id=retry_of_id, leader=leader)
+        event_append(stream=f"run:{run_id}", kind="task.created", actor=actor_name(actor),
+                     data={"id": str(task.pk), "node": str(node_id), "ordinal": ordinal,
+                           "retry_of": str(retry_of_id) if retry_of_id else None})
+    return task
+
+
+def task_retry(*, task_id, actor=None) -> tuple[AgentTask, bool]:
+    """A new task for a finished task's node (the finished one stays as it was): ``(task, created)``.
+
+    Decided under the run's row lock: when the node already has an active task (another operator's
+    retry, or the engine's own policy retry, got there first) no second one is made; that task is
+    returned with ``created`` False.
+    """
+    with transaction.atomic():
+        run_lock(_run_id_of(AgentTask, task_id))
+        task = AgentTask.objects.select_related("node__run").get(pk=task_id)
+        node, run = task.node, task.node.run
+        active = node.tasks.exclude(status__in=states.TASK_TERMINAL).order_by("-ordinal").first()
+        if active is not None and active.pk == task.pk:
+            raise ApplicationError("invalid_transition", "the task is still active: cancel it first")
+        if active is not None:
+            return active, False
+        if node.state in states.NODE_TERMINAL or run.state in states.RUN_TERMINAL:
+            raise ApplicationError("invalid_transition", "the node has finished: rerun the run instead",
+                                   {"node": node.state, "run": run.state})
+        return task_create(node_id=node.pk, retry_of_id=task.pk, leader=task.leader, actor=actor), True

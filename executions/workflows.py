@@ -92,7 +92,7 @@ def workflow_create(*, name: str, spec: dict, description: str = "", actor=None)
 def workflow_revise(*, workflow_id, spec: dict, actor=None) -> WorkflowRevision:
     spec = workflow_validate(spec)
     with transaction.atomic():
-        workflow = WorkflowDefinition.objects.select_for_update().filter(pk=workflow_id).first()
+        workflow = WorkflowDefinition.objects.select_for_update(no_key=True).filter(pk=workflow_id).first()
         if workflow is None:
             raise ApplicationError("not_found", "not found")
         return _revision(workflow, spec, actor)

@@ -70,7 +70,9 @@ def session_dispatch(*, session_id) -> Turn | None:
     Later pending turns that have not been sent are merged into it (SPEC §4.6).
     """
     with transaction.atomic():
-        session = Session.objects.select_for_update().select_related("connection").get(pk=session_id)
+        # The session row only (of=self): the connection row is not this change's to lock.
+        session = Session.objects.select_for_update(no_key=True, of=("self",)).select_related("connection").get(
+            pk=session_id)
         turns = Turn.objects.filter(session=session)
         if turns.filter(status__in=[states.RUNNING, states.REQUIRES_ACTION]).exists():
             return None
@@ -148,7 +150,7 @@ def session_start(*, actor, connection_id, cwd: str, prompt: str, idea_key: str 
     with transaction.atomic():
         session = None
         if idea_key:
-            session = Session.objects.select_for_update().filter(idea_key=idea_key,
+            session = Session.objects.select_for_update(no_key=True).filter(idea_key=idea_key,
                                                                  status=states.SESSION_ACTIVE).first()
         previous = _unacknowledged_changes(connection, cwd, exclude_session=session)
         if previous is not None and not acknowledge_changes:
@@ -438,7 +440,9 @@ def turn_answer(*, actor, turn_id, answers: list[dict], client: str = "api", rea
                 idempotency_key: str | None = None) -> dict:
     """Record answers to a turn's required actions; once all are answered the session resumes with them."""
     with transaction.atomic():
-        turn = Turn.objects.select_for_update().filter(pk=turn_id).first()
+        # Session → turn: the resume below changes the session's turns, and so does the daemon's end
+        # report, which takes them in that order (lock order: chorus_site/transitions.py).
+        turn = services.turn_lock(turn_id)
         if turn is None:
             raise ApplicationError("not_found", "not found")
         pending = turn.requires_action or {}

@@ -64,7 +64,7 @@ def connection_daemon_connected(*, connection_id, hello: dict) -> Connection:
     if hello.get("host"):
         fields["host"] = str(hello["host"])[:255]
     with transaction.atomic():
-        connection = Connection.objects.select_for_update().get(pk=connection_id)
+        connection = Connection.objects.select_for_update(no_key=True).get(pk=connection_id)
         if connection.status == states.CONN_OFFLINE:
             connection = services.connection_set_status(connection_id=connection_id, status=states.CONN_ONLINE,
                                                         **fields)
@@ -338,6 +338,9 @@ def _apply_advance(connection: Connection, turn_id, report: dict) -> dict:
     # storable (NUL, lone surrogates → U+FFFD) and redacted here, once, so a new field cannot miss it.
     report = ingest(report)
     turn = _owned_turn(connection, turn_id)
+    # Decide on the turn as it stands under its locks (session → turn, chorus_site/transitions.py),
+    # not on a read that a concurrent interrupt or answer has changed since.
+    turn = services.turn_lock(turn.pk, related=("session",))
     status = report.get("status")
     stop_state = report.get("stop_state")
     session = turn.session

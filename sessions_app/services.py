@@ -153,7 +153,7 @@ def turn_create(*, session: Session, trigger: str, prompt: str, actor=None, atte
     if trigger not in states.TRIGGERS:
         raise ApplicationError("bad_request", f"unknown trigger {trigger!r}", {"allowed": states.TRIGGERS})
     with transaction.atomic():
-        Session.objects.select_for_update().filter(pk=session.pk).values("pk").first()
+        Session.objects.select_for_update(no_key=True).filter(pk=session.pk).values("pk").first()
         seq = (Turn.objects.filter(session=session).aggregate(m=Max("seq"))["m"] or 0) + 1
         turn = Turn.objects.create(session=session, seq=seq, trigger=trigger, prompt=redact(prompt),
                                    attempt_id=attempt_id)
@@ -230,7 +230,7 @@ def turn_set_status(
     with transaction.atomic():
         # Lock order session → turn → event stream, as in turn_create: taking the session row last
         # deadlocks against a concurrent turn_create of the same session.
-        Session.objects.select_for_update().filter(pk=session_id).values("pk").first()
+        Session.objects.select_for_update(no_key=True).filter(pk=session_id).values("pk").first()
         turn = transition(
             model=Turn, pk=turn_id, field="status", table=states.TURN_TRANSITIONS, to=status,
             stream=f"session:{session_id}", kind="turn.status", actor=actor_name(actor), updates=updates,
@@ -247,11 +247,26 @@ def _default_wake_kind(reason: str) -> str:
 
 def turn_set_stop_state(*, turn_id, stop_state: str, actor=None, **updates) -> Turn:
     session_id = Turn.objects.filter(pk=turn_id).values_list("session_id", flat=True).first()
-    return transition(
-        model=Turn, pk=turn_id, field="stop_state", table=states.STOP_TRANSITIONS, to=stop_state,
-        stream=f"session:{session_id}", kind="turn.stop_state", actor=actor_name(actor), updates=updates,
-        data={"session": str(session_id)},
-    )
+    with transaction.atomic():
+        # Session → turn, as every change of a turn (lock order: chorus_site/transitions.py).
+        Session.objects.select_for_update(no_key=True).filter(pk=session_id).values("pk").first()
+        return transition(
+            model=Turn, pk=turn_id, field="stop_state", table=states.STOP_TRANSITIONS, to=stop_state,
+            stream=f"session:{session_id}", kind="turn.stop_state", actor=actor_name(actor), updates=updates,
+            data={"session": str(session_id)},
+        )
+
+
+def turn_lock(turn_id, *, related: tuple = ()) -> Turn | None:
+    """Lock a turn's session row and then the turn's (lock order: chorus_site/transitions.py) and
+    return the turn as it stands now, or None; for actions and reports that decide on a turn's
+    state.  Call inside their transaction."""
+    session_id = Turn.objects.filter(pk=turn_id).values_list("session_id", flat=True).first()
+    if session_id is None:
+        return None
+    Session.objects.select_for_update(no_key=True).filter(pk=session_id).values("pk").first()
+    return (Turn.objects.select_for_update(no_key=True, of=("self",)).select_related(*related)
+            .filter(pk=turn_id).first())
 
 
 # ---------------------------------------------------------------- control commands

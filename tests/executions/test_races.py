@@ -1,0 +1,135 @@
+"""Races at the action and engine layer (issue 7 items 4 and 5), run for real on PostgreSQL.
+
+Each pair is released at once by ``run_together`` many times over.  A deadlock shows up as an
+``OperationalError``/``DeadlockDetected`` in the outcomes, a lost ordinal race as an
+``IntegrityError``; either is a failure.  Each pair must also end in exactly one outcome.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+
+import pytest
+from django.test import Client
+
+from executions import actions, engine
+from executions.models import AgentTask, Artifact, Attempt, Comment, Run, RunNode
+from executions.task_tokens import task_token_for
+from tests import factories
+from tests.concurrency import run_together
+
+pytestmark = [pytest.mark.postgres, pytest.mark.django_db(transaction=True)]
+
+ROUNDS = 20
+
+
+def agent_post(token, url, body, expected=201):
+    response = Client().post(url, data=json.dumps(body), content_type="application/json",
+                             HTTP_AUTHORIZATION=f"Bearer {token}")
+    assert response.status_code == expected, (response.status_code, response.content[:300])
+    return response
+
+
+def attempt_whose_turn_ended(session):
+    """A run whose only attempt's turn has ended with an explicit success: the next tick finishes the
+    attempt, the task, the node, the run and moves the issue to review (many rows, many events)."""
+    connection = session.connection
+    issue = factories.make_issue(status="in_progress")
+    run, node, task, attempt = factories.make_run_graph(issue=issue, connection=connection)
+    turn = factories.make_turn(session=session, status="ended", attempt_id=attempt.pk)
+    Attempt.objects.filter(pk=attempt.pk).update(turn=turn, session=session,
+                                                 outcome={"intent": "succeeded", "summary": "done"})
+    return run, attempt
+
+
+def tick(run):
+    return lambda: engine.run_tick_apply(run_id=run.pk)
+
+
+def test_agent_artifact_and_the_tick_do_not_deadlock():
+    session = factories.make_session()
+    for n in range(ROUNDS):
+        run, attempt = attempt_whose_turn_ended(session)
+        token = task_token_for(attempt)
+        outcomes = run_together(
+            lambda: agent_post(token, "/api/v1/artifacts", {"kind": "report", "name": f"r{n}.md", "content": "# ok"}),
+            tick(run),
+        )
+        assert outcomes == ["ok", "ok"], outcomes
+        assert Artifact.objects.filter(run=run, attempt=attempt).count() == 1
+        assert Run.objects.get(pk=run.pk).state == "succeeded"
+
+
+def test_agent_comment_and_the_tick_do_not_deadlock():
+    session = factories.make_session()
+    for _ in range(ROUNDS):
+        run, attempt = attempt_whose_turn_ended(session)
+        token = task_token_for(attempt)
+        outcomes = run_together(
+            lambda: agent_post(token, f"/api/v1/issues/{run.issue_id}/comments", {"body": "progress: 90%",
+                                                                                 "type": "progress"}),
+            tick(run),
+        )
+        assert outcomes == ["ok", "ok"], outcomes
+        assert Comment.objects.filter(issue_id=run.issue_id, source_attempt=attempt).count() == 1
+        assert Run.objects.get(pk=run.pk).state == "succeeded"
+
+
+def failed_task(*, max_task_retries=0):
+    """A running run whose node's only task failed (no active attempt, no live worker anywhere)."""
+    run = factories.make_run(state="running", target={"backend": "codex"})
+    node = factories.make_node(run=run, key="main", state="running",
+                               config={"prompt": "do it", "retry": {"max_task_retries": max_task_retries}})
+    task = factories.make_task(node=node, status="failed")
+    factories.make_attempt(task=task, state="failed")
+    return run, node, task
+
+
+def retry(operator, task):
+    result = {}
+
+    def call():
+        result.update(actions.task_retry(actor=operator, task_id=task.pk, reason="try again"))
+
+    return call, result
+
+
+def test_two_operator_retries_make_one_new_task(operator):
+    for _ in range(ROUNDS):
+        run, node, task = failed_task()
+        first, first_result = retry(operator, task)
+        second, second_result = retry(operator, task)
+        outcomes = run_together(first, second)
+        assert outcomes == ["ok", "ok"], outcomes
+        assert sorted([first_result["changed"], second_result["changed"]]) == [False, True]
+        new = AgentTask.objects.filter(node=node).exclude(pk=task.pk)
+        assert [(t.ordinal, t.retry_of_id) for t in new] == [(2, task.pk)]
+        # The one that did not act names the task that did.
+        assert first_result["task"] == second_result["task"] == str(new.get().pk)
+
+
+def test_an_operator_retry_and_the_engines_own_retry_make_one_new_task(operator):
+    # The node's policy allows one task retry: the tick makes task 2 by itself, exactly when the
+    # operator asks for it.
+    for _ in range(ROUNDS):
+        run, node, task = failed_task(max_task_retries=1)
+        call, result = retry(operator, task)
+        outcomes = run_together(call, tick(run))
+        assert outcomes == ["ok", "ok"], outcomes
+        tasks = list(AgentTask.objects.filter(node=node).order_by("ordinal"))
+        assert [(t.ordinal, t.retry_of_id) for t in tasks] == [(1, None), (2, task.pk)]
+        assert result["task"] == str(tasks[1].pk)
+        assert Run.objects.get(pk=run.pk).state in {"running", "waiting"}
+        assert RunNode.objects.get(pk=node.pk).state not in {"failed", "succeeded"}
+
+
+def test_a_retry_of_a_task_already_retried_changes_nothing(operator):
+    run, node, task = failed_task()
+    made = actions.task_retry(actor=operator, task_id=task.pk)
+    again = actions.task_retry(actor=operator, task_id=task.pk)
+    assert made["changed"] is True and again == {**again, "changed": False, "task": made["task"]}
+    assert AgentTask.objects.filter(node=node).count() == 2
+    with pytest.raises(Exception) as refused:
+        actions.task_retry(actor=operator, task_id=uuid.uuid4())
+    assert getattr(refused.value, "code", None) == "not_found"
