@@ -11,7 +11,9 @@ the changes in the cwd and the processes the agent left running (SPEC §1 rules 
 a turn's time limit (payload ``timeout_s``, else the backend's ``default_timeout_s``) and a daemon
 shutdown stop it the same way, reported as ``timeout`` / ``shutdown``.
 
-Reports go through a ``Reporter`` (the daemon's spool); this module knows nothing of HTTP.
+Reports go through a ``Reporter`` (the daemon's spool); this module knows nothing of HTTP.  Each
+report is redacted first (agents.redaction_rules, the portal's rules): the spool never keeps a
+secret on disk, also while the portal is down.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from typing import Any, Callable, Protocol
 from agents import protocol as p
 from agents.changes import collect_changes
 from agents.process import AgentProcess, SpawnError, StopResult, TreeSampler
+from agents.redaction_rules import StreamRedactor, ingest
 
 log = logging.getLogger("chorus.daemon.turn")
 
@@ -161,6 +164,8 @@ class TurnRunner:
         self._events: list[dict] = []
         self._batch_bytes = 0
         self._recent: deque[p.AgentEvent] = deque(maxlen=FINISH_EVENTS_KEEP)
+        # Reports are redacted (and made storable) before they reach the spool: nothing raw on disk.
+        self._redactor = StreamRedactor()
         self._requires_action_reported = False
         self._tasks: list[asyncio.Task] = []
         self.started_at: float | None = None
@@ -180,7 +185,7 @@ class TurnRunner:
     # ------------------------------------------------------------------ reporting
     def _advance(self, status: str | None, **fields) -> None:
         self.flush_events()
-        report = p.AdvanceReport(report_id=p.new_report_id(), status=status, **fields).as_dict()
+        report = ingest(p.AdvanceReport(report_id=p.new_report_id(), status=status, **fields).as_dict())
         self.reporter.advance(self.turn, report)
         if status is not None:
             self.status = status
@@ -194,7 +199,7 @@ class TurnRunner:
         for event in events:
             self.summary.add(event)
             self._recent.append(event)
-            item = event.as_dict()
+            item = self._redactor.event(event.as_dict())
             size = len(json.dumps(item, default=str))
             if size > EVENT_STRING_MAX:
                 item = _shrink(item)

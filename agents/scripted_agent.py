@@ -45,8 +45,9 @@ import uuid
 DIRECTIVES = (
     "reply", "sleep", "write", "stderr", "exit", "signal", "ignore-stop", "grandchild", "escape",
     "background", "fail-start", "require-approval", "await-tool", "outcome", "member", "comment",
-    "artifact", "usage",
+    "artifact", "usage", "cat", "stderr-file",
 )
+FILE_REF = re.compile(r"\{file:([^{}]+)\}")
 OUTCOME_INTENTS = ("succeeded", "failed", "blocked", "waiting")
 SESSION_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 EXIT_STOPPED, EXIT_FAIL_START, EXIT_REFUSED, EXIT_UNKNOWN_SESSION = 130, 127, 2, 1
@@ -189,26 +190,41 @@ def context_ids() -> dict:
     return {k: v for k, v in ids.items() if v}
 
 
+def expand(text: str, cwd: str) -> str:
+    """``{file:PATH}`` replaced by that file's text (its last newline dropped), PATH relative to the
+    cwd: what the agent prints then need not be in its prompt (the canary suite's secrets)."""
+    def read(match: re.Match) -> str:
+        try:
+            with open(os.path.join(cwd, match.group(1)), encoding="utf-8") as fh:
+                return fh.read().removesuffix("\n")
+        except OSError as exc:
+            raise Refused(f"cannot read {match.group(1)}: {exc.strerror}") from None
+
+    return FILE_REF.sub(read, text)
+
+
 class Turn:
     """One run of the agent: the directives of one prompt applied to one session."""
 
     def __init__(self, session: dict, prompt: str, steps: list[tuple[str, str]], message: str):
-        self.session, self.prompt, self.steps, self.message = session, prompt, steps, message
+        self.cwd = os.path.realpath(os.getcwd())
+        self.session, self.prompt, self.steps = session, prompt, steps
+        self.message = expand(message, self.cwd)
         self.number = session["turns"]
         self.reply: list[str] = []
         self.usage_sent = False
-        self.cwd = os.path.realpath(os.getcwd())
 
     # Each directive returns None to go on, or an exit code to end the turn with.
     def run(self) -> int:
         index = 0
         while index < len(self.steps):
             name, arg = self.steps[index]
+            arg = expand(arg, self.cwd)
             if name in ACTION_KINDS:
                 group = [arg]
                 while index + 1 < len(self.steps) and self.steps[index + 1][0] == name:
                     index += 1
-                    group.append(self.steps[index][1])
+                    group.append(expand(self.steps[index][1], self.cwd))
                 return self.requires_action(ACTION_KINDS[name], group)
             code = getattr(self, "do_" + name.replace("-", "_"))(arg)
             if code is not None:
@@ -273,6 +289,26 @@ class Turn:
         sys.stderr.write(arg + "\n")
         sys.stderr.flush()
 
+    def _file_lines(self, arg: str, directive: str):
+        if not arg:
+            raise Refused(f"@{directive} needs a path")
+        try:
+            with open(os.path.join(self.cwd, arg), encoding="utf-8") as fh:
+                return fh.readlines()
+        except OSError as exc:
+            raise Refused(f"@{directive}: cannot read {arg}: {exc.strerror}") from None
+
+    def do_cat(self, arg: str) -> None:
+        """The file's lines on stdout as they are (JSON lines are events, other lines raw text)."""
+        for line in self._file_lines(arg, "cat"):
+            sys.stdout.write(line if line.endswith("\n") else line + "\n")
+            sys.stdout.flush()
+
+    def do_stderr_file(self, arg: str) -> None:
+        for line in self._file_lines(arg, "stderr-file"):
+            sys.stderr.write(line if line.endswith("\n") else line + "\n")
+        sys.stderr.flush()
+
     def do_exit(self, arg: str) -> int:
         code = int(number(arg, "exit", integer=True))
         if code == 0:
@@ -305,7 +341,8 @@ class Turn:
         progress("escaping child started", escape_pid=child.pid)
 
     def do_background(self, arg: str) -> None:
-        child = spawn(sleeper(number(arg, "background")), start_new_session=True)
+        seconds, _, extra = arg.partition(" ")  # words after the seconds: more arguments of its command line
+        child = spawn(sleeper(number(seconds, "background")) + extra.split(), start_new_session=True)
         progress("background process started", background_pid=child.pid)
 
     def do_fail_start(self, arg: str) -> None:  # handled before any output; here only for completeness

@@ -4,6 +4,8 @@ Client → server: ``{"type": "subscribe", "stream": "session:<id>" | "run:<id>"
 "dashboard", "after": <cursor>?}`` and ``{"type": "unsubscribe", "stream": ...}``.
 Server → client: ``{"type": "event", "event": {...}}``, ``{"type": "subscribed", "stream", "cursor"}``,
 ``{"type": "error", "code", "message", "stream"}``.  Permission is checked on every subscribe.
+Close code 4503: the channel layer broke (e.g. Redis restarted); reconnect and resubscribe with
+each stream's last cursor (``after``) — nothing is lost, the log is read from there.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from channels.generic.websocket import AsyncJsonWebsocketConsumer
 
 from .errors import ApplicationError
 from .events import DASHBOARD_GROUP, parse_cursor, stream_group
+from .layer_health import LAYER_LOST_CLOSE, LayerAwareConsumer
 from .live import StreamPosition, accept_live, catch_up, position_at
 from .permissions import has_ops_role
 
@@ -38,7 +41,9 @@ def _may_follow(user, stream: str) -> bool:
     return has_ops_role(user) and (stream == "dashboard" or _stream_exists(stream))
 
 
-class LiveConsumer(AsyncJsonWebsocketConsumer):
+class LiveConsumer(LayerAwareConsumer, AsyncJsonWebsocketConsumer):
+    # A broken channel layer (Redis restarted: every group is gone) closes the socket with
+    # LAYER_LOST_CLOSE; the client reconnects and resumes each stream from its cursor.
     async def connect(self):
         user = self.scope.get("user")
         if user is None or not user.is_authenticated:
@@ -50,9 +55,15 @@ class LiveConsumer(AsyncJsonWebsocketConsumer):
 
     async def disconnect(self, code):
         for stream in list(getattr(self, "positions", {})):
-            await self.channel_layer.group_discard(stream_group(stream), self.channel_name)
+            await self.layer_leave(stream_group(stream))
         if getattr(self, "dashboard", False):
-            await self.channel_layer.group_discard(DASHBOARD_GROUP, self.channel_name)
+            await self.layer_leave(DASHBOARD_GROUP)
+
+    async def layer_failed(self, message=None):
+        """The layer broke (here or in another follower of this process): nothing is woken any more."""
+        if not getattr(self, "closed_for_layer", False):
+            self.closed_for_layer = True
+            await self.close(code=LAYER_LOST_CLOSE)
 
     async def receive_json(self, content, **kwargs):
         if not isinstance(content, dict):
@@ -74,16 +85,18 @@ class LiveConsumer(AsyncJsonWebsocketConsumer):
         if not await database_sync_to_async(_may_follow)(user, stream):
             return await self._error("not_found", "no such stream", stream)
         if stream == "dashboard":
+            if not await self.layer_join(DASHBOARD_GROUP):
+                return await self.layer_failed()
             self.dashboard = True
-            await self.channel_layer.group_add(DASHBOARD_GROUP, self.channel_name)
             return await self.send_json({"type": "subscribed", "stream": stream, "cursor": None})
         if len(self.positions) >= MAX_SUBSCRIPTIONS and stream not in self.positions:
             return await self._error("bad_request", f"at most {MAX_SUBSCRIPTIONS} streams per connection", stream)
-        await self.channel_layer.group_add(stream_group(stream), self.channel_name)
+        if not await self.layer_join(stream_group(stream)):  # joined before reading: nothing committed is missed
+            return await self.layer_failed()
         try:
             position = await position_at(stream, parse_cursor(after))
         except ApplicationError as exc:
-            await self.channel_layer.group_discard(stream_group(stream), self.channel_name)
+            await self.layer_leave(stream_group(stream))
             return await self._error(exc.code, exc.message, stream)
         self.positions[stream] = position
         await self.send_json({"type": "subscribed", "stream": stream, "cursor": position.last_id})
@@ -92,10 +105,10 @@ class LiveConsumer(AsyncJsonWebsocketConsumer):
 
     async def _unsubscribe(self, stream):
         if self.positions.pop(stream, None) is not None:
-            await self.channel_layer.group_discard(stream_group(stream), self.channel_name)
+            await self.layer_leave(stream_group(stream))
         elif stream == "dashboard" and self.dashboard:
             self.dashboard = False
-            await self.channel_layer.group_discard(DASHBOARD_GROUP, self.channel_name)
+            await self.layer_leave(DASHBOARD_GROUP)
 
     async def event_message(self, payload):
         message = payload["event"]

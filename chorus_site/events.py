@@ -98,11 +98,14 @@ def broadcast_event(message: dict) -> None:
 
 
 def _send(message: dict) -> None:
-    layer = get_channel_layer()
-    if layer is None:
-        return
+    """Never raises: it runs after the commit, inside the request (or task) that made the change,
+    whose answer must not turn into an error because Redis is down.  Bounded by the layer's
+    socket timeouts (settings.CHANNEL_LAYERS); followers catch up from the log by cursor."""
     payload = {"type": "event.message", "event": message}
     try:
+        layer = get_channel_layer()
+        if layer is None:
+            return
         async_to_sync(layer.group_send)(stream_group(message["stream"]), payload)
         async_to_sync(layer.group_send)(DASHBOARD_GROUP, payload)
     except Exception:  # the log is the truth; a lost wake-up is caught up by cursor

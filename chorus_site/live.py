@@ -14,9 +14,12 @@ from channels.db import database_sync_to_async
 from channels.layers import get_channel_layer
 
 from .events import check_cursor, stream_group
+from .layer_health import health, layer_call, receive_or_failure
 from .models import Event, EventStream
 
 CATCH_UP_BATCH = 500
+# While the channel layer is unavailable, an SSE stream reads the log by cursor this often.
+LOG_POLL_S = 1.0
 
 
 @dataclass
@@ -71,30 +74,46 @@ async def accept_live(position: StreamPosition, message: dict):
         yield stored
 
 
-async def follow(stream: str, cursor: int | None, *, heartbeat_s: float):
+async def follow(stream: str, cursor: int | None, *, heartbeat_s: float, poll_s: float = LOG_POLL_S):
     """Stored events after ``cursor`` then live ones; ``None`` is yielded when a heartbeat is due.
 
     The cursor is validated before anything is yielded, so callers can still answer 400/409/410.
+    A heartbeat is due every ``heartbeat_s`` whatever the layer does.  While the channel layer is
+    broken (Redis down, or restarted empty so the group is gone) the log is read every ``poll_s``
+    and the group re-joined; once joined again the log is read once more, so nothing committed
+    in between is missed and nothing is passed on twice (the position only moves forward).
     """
     layer = get_channel_layer()
     channel = await layer.new_channel()
     group = stream_group(stream)
-    await layer.group_add(group, channel)  # subscribe first: nothing committed after this is missed
+    generation = health.generation
+    # Subscribe first: nothing committed after this is missed.
+    joined = await layer_call(layer.group_add(group, channel), "group_add")
     try:
         position = await position_at(stream, cursor)
         yield "ready"
         async for message in catch_up(position):
             yield message
+        loop = asyncio.get_running_loop()
+        beat_at = loop.time() + heartbeat_s
         while True:
-            try:
-                incoming = await asyncio.wait_for(layer.receive(channel), timeout=heartbeat_s)
-            except asyncio.TimeoutError:
-                # A quiet stream may also mean a dropped message: look at the log before the heartbeat.
+            incoming = None
+            if joined:
+                incoming, joined = await receive_or_failure(layer, channel, since=generation,
+                                                           timeout=max(0.0, beat_at - loop.time()))
+            else:
+                await asyncio.sleep(max(0.0, min(poll_s, beat_at - loop.time())))
+                generation = health.generation
+                joined = await layer_call(layer.group_add(group, channel), "group_add")
+            if incoming is not None:
+                async for message in accept_live(position, incoming["event"]):
+                    yield message
+            else:
+                # A quiet stream, a layer down or just back: whatever was dropped is in the log.
                 async for message in catch_up(position):
                     yield message
+            if loop.time() >= beat_at:
                 yield None
-                continue
-            async for message in accept_live(position, incoming["event"]):
-                yield message
+                beat_at = loop.time() + heartbeat_s
     finally:
-        await layer.group_discard(group, channel)
+        await layer_call(layer.group_discard(group, channel), "group_discard", report=False)

@@ -222,13 +222,41 @@ CHORUS_SERVE_STATIC = env_bool("CHORUS_SERVE_STATIC", EMBEDDED or DEBUG)
 LOGIN_URL = "admin:login"
 
 # ---------------------------------------------------------------- channels
+def _layer_redis(url: str) -> dict:
+    """redis-py options of the channel layer, chosen for a Redis that dies or restarts empty.
+
+    The layer is a wake-up only (the event log is the truth): a failure must surface quickly to
+    the followers, which close or fall back to the log (chorus_site/layer_health.py), never hang.
+    """
+    from redis.asyncio.retry import Retry
+    from redis.backoff import NoBackoff
+    from redis.exceptions import ConnectionError as RedisConnectionError
+
+    return {
+        "address": url,
+        # Longer than the layer's blocking read (BZPOPMIN, 5 s in channels_redis), or idle sockets
+        # are dropped every few seconds (redis-py 8 defaults to 5 s); finite, so a Redis that hangs
+        # without closing TCP shows as an error within 10 s instead of a follower waiting forever.
+        "socket_timeout": 10,
+        # Broadcasts run after commit inside requests: an unreachable Redis must fail fast.
+        "socket_connect_timeout": 2,
+        "socket_keepalive": True,
+        # No retry on timeout: a timeout means Redis hung; retrying would hide it from followers.
+        "retry_on_timeout": False,
+        # One immediate retry on a connection error: a pooled connection left from before a Redis
+        # restart fails once and is replaced, instead of failing a broadcast or a join (and making
+        # every follower of the process reconnect once more).  A Redis really down still fails.
+        "retry": Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
+        # PING a pooled connection idle for 5 s before using it (with the retry: replaced if stale).
+        "health_check_interval": 5,
+    }
+
+
 if REDIS_URL:
     CHANNEL_LAYERS = {
         "default": {
             "BACKEND": "channels_redis.core.RedisChannelLayer",
-            # redis-py 8 defaults to a 5 s socket timeout, shorter than the layer's blocking reads:
-            # without this, idle WebSockets are dropped every few seconds.
-            "CONFIG": {"hosts": [{"address": REDIS_URL, "socket_timeout": None}], "capacity": 1000, "expiry": 30},
+            "CONFIG": {"hosts": [_layer_redis(REDIS_URL)], "capacity": 1000, "expiry": 30},
         }
     }
 else:
@@ -255,6 +283,23 @@ CHORUS_ETA_MAX_S = env_int("CHORUS_ETA_MAX_S", 300, minimum=10)
 # database by the sweeps below within one beat, so a lost message costs one sweep interval, and a
 # late redelivery finds nothing left to do (tasks are safe to run twice).
 CELERY_BROKER_TRANSPORT_OPTIONS = {"visibility_timeout": 900}
+# Redis connection options of the broker (keys added to the transport options above): a Redis
+# that is killed, restarted empty or hangs must cost a reconnect, never a stuck or dead worker.
+CELERY_BROKER_TRANSPORT_OPTIONS.update({
+    # kombu's BRPOP waits 1 s; a publish or ack on a hung Redis gives up after 10 s instead of never.
+    "socket_timeout": 10,
+    "socket_connect_timeout": 3,
+    "socket_keepalive": True,
+    # A timed-out command is retried once on a new connection (a publish may then be delivered
+    # twice: every task is safe to run twice, STYLE.md).
+    "retry_on_timeout": True,
+    # kombu's own check of its long-lived BRPOP/pub-sub connections (default 25 s): a worker on a
+    # half-open connection reconnects within about 1 + 2 × 10 s.
+    "health_check_interval": 10,
+})
+# Keep reconnecting however long Redis is away (the default gives up after 100 attempts and the
+# worker exits); the supervisor (docs/deployment.md) restarts a worker that dies anyway.
+CELERY_BROKER_CONNECTION_MAX_RETRIES = None
 CELERY_BEAT_SCHEDULE = {
     "purge-expired-events": {"task": "chorus_site.tasks.events_purge_expired", "schedule": 3600.0},
     "sweep-stale-connections": {"task": "sessions_app.tasks.connections_sweep", "schedule": 5.0},

@@ -16,6 +16,7 @@ from django.conf import settings
 from agents import protocol
 
 from chorus_site.errors import ApplicationError
+from chorus_site.layer_health import LayerAwareConsumer, health
 
 from . import bridge, daemon_schemas
 
@@ -34,9 +35,13 @@ def _bearer(scope) -> str | None:
 # The push through the channel layer is a wake-up only (it may be dropped, or come from a process
 # that shares no in-memory layer with this one): pending commands are also looked for this often.
 COMMAND_POLL_S = 2.0
+# While the channel layer is broken (Redis down or restarted empty), re-join the group this often.
+LAYER_REJOIN_S = 1.0
 
 
-class DaemonConsumer(AsyncWebsocketConsumer):
+class DaemonConsumer(LayerAwareConsumer, AsyncWebsocketConsumer):
+    """Serves its daemon whatever the channel layer does: heartbeats, reports and the command poll
+    need only the database; the layer (a wake-up for pushes) is re-joined when it answers again."""
     connection_id = None
     poller = None
 
@@ -47,7 +52,7 @@ class DaemonConsumer(AsyncWebsocketConsumer):
             return
         self.connection_id = connection.pk
         self.group = bridge.daemon_group(connection.pk)
-        await self.channel_layer.group_add(self.group, self.channel_name)
+        await self.layer_join(self.group)  # a broken layer is re-joined later (layer_recover)
         await self.accept()
         await self._send({"type": protocol.WELCOME, "connection": str(connection.pk),
                           "heartbeat_interval_s": protocol.HEARTBEAT_INTERVAL_S,
@@ -57,15 +62,34 @@ class DaemonConsumer(AsyncWebsocketConsumer):
     async def _poll_commands(self):
         while True:
             await asyncio.sleep(COMMAND_POLL_S)
-            if await database_sync_to_async(bridge.commands_pending)(connection_id=self.connection_id):
-                await self.commands_push({})
+            try:
+                if await database_sync_to_async(bridge.commands_pending)(connection_id=self.connection_id):
+                    await self.commands_push({})
+            except Exception:  # a database blip must not end the poll for the life of the socket
+                log.warning("command poll of %s failed", self.connection_id, exc_info=True)
+
+    async def layer_failed(self, message):
+        log.warning("daemon %s: channel layer lost; serving from the database until it is back", self.connection_id)
+
+    async def layer_recover(self):
+        """Re-join the daemon's group once the layer answers; then look for commands at once."""
+        while True:
+            await asyncio.sleep(LAYER_REJOIN_S)
+            if self.connection_id is None:
+                continue
+            generation = health.generation
+            self.layer_lost = False
+            if await self.layer_join(self.group):
+                self.layer_generation = generation
+                log.info("daemon %s: channel layer back", self.connection_id)
+                return {"type": "commands.push"}
 
     async def disconnect(self, code):
         if self.poller is not None:
             self.poller.cancel()
         if self.connection_id is None:
             return
-        await self.channel_layer.group_discard(self.group, self.channel_name)
+        await self.layer_leave(self.group)
         await database_sync_to_async(bridge.connection_daemon_disconnected)(connection_id=self.connection_id)
 
     async def receive(self, text_data=None, bytes_data=None):

@@ -422,3 +422,24 @@ def test_unknown_outcome_intent_is_refused(run):
     agent = run("@outcome done")
     assert agent.wait() == 2
     assert "succeeded, failed, blocked, waiting" in agent.summary()["errors"][0]["message"]
+
+
+def test_file_directives_print_what_the_prompt_does_not_carry(workdir, tmp_path):
+    (workdir / "out.txt").write_text('plain line\n{"type": "text", "text": "a json line"}\n')
+    (workdir / "err.txt").write_text("on stderr\n")
+    (workdir / "ask.txt").write_text("Approve the file's question?\n")
+    run = AgentRun("@cat out.txt\n@stderr-file err.txt\n@background 30 --flag {file:err.txt}\n"
+                   "@require-approval {file:ask.txt}", workdir, tmp_path / "home")
+    assert run.wait() == 0
+    assert "plain line\n" in run.lines and '{"type": "text", "text": "a json line"}\n' in run.lines
+    assert run.stderr.decode() == "on stderr\n"
+    objects = [json.loads(line) for line in run.lines if line.startswith("{")]
+    background = next(o["background_pid"] for o in objects if "background_pid" in o)
+    try:
+        assert open(f"/proc/{background}/cmdline").read().split("\0")[-4:-1] == ["--flag", "on", "stderr"]
+    finally:
+        kill_and_wait(background)
+    asked = next(o for o in objects if o.get("type") == "requires_action")
+    assert asked["items"][0]["text"] == "Approve the file's question?"
+    missing = AgentRun("@cat nope.txt", workdir, tmp_path / "home")
+    assert missing.wait() == 2
