@@ -313,7 +313,9 @@ def _task_session(run: Run, task: AgentTask, connection: Connection) -> Session:
         return session_services.session_create(connection=connection, cwd=cwd, idea_key=idea_key,
                                                title=f"{run.issue.title} · {task.node.key}")
     if session.connection_id != connection.pk:
-        Session.objects.filter(pk=session.pk).update(connection=connection, cwd=cwd, backend=connection.backend)
+        # The agent CLI's session stays on the machine it ran on: the moved session starts a fresh one.
+        Session.objects.filter(pk=session.pk).update(connection=connection, cwd=cwd, backend=connection.backend,
+                                                     backend_session_id=None)
         event_append(stream=session.stream, kind="session.moved",
                      data={"id": str(session.pk), "to": {"connection": str(connection.pk), "cwd": cwd}})
         session.refresh_from_db()

@@ -163,8 +163,13 @@ def session_start(*, actor, connection_id, cwd: str, prompt: str, idea_key: str 
                                               title=title, actor=actor)
         elif (session.connection_id, session.cwd) != (connection.pk, cwd):
             # §3.1: the same idea from another directory moves the session; it never forks a second.
-            old = {"connection": str(session.connection_id), "cwd": session.cwd}
-            Session.objects.filter(pk=session.pk).update(connection=connection, cwd=cwd, backend=connection.backend)
+            # The agent CLI's own session lives where it ran (its machine, its directory): the moved
+            # session starts a fresh one there.  A turn still running at the old place keeps running
+            # there and reports there (Turn.connection); the new turn queues behind it.
+            old = {"connection": str(session.connection_id), "cwd": session.cwd,
+                   "backend_session_id": session.backend_session_id}
+            Session.objects.filter(pk=session.pk).update(connection=connection, cwd=cwd, backend=connection.backend,
+                                                         backend_session_id=None)
             event_append(stream=session.stream, kind="session.moved", actor=actor_name(actor),
                          data={"id": str(session.pk), "from": old,
                                "to": {"connection": str(connection.pk), "cwd": cwd}})

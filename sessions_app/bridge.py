@@ -344,7 +344,8 @@ def _apply_advance(connection: Connection, turn_id, report: dict) -> dict:
     status = report.get("status")
     stop_state = report.get("stop_state")
     session = turn.session
-    if report.get("backend_session_id") and report["backend_session_id"] != session.backend_session_id:
+    if (report.get("backend_session_id") and report["backend_session_id"] != session.backend_session_id
+            and _runner_id(turn) == session.connection_id):  # not from where the session moved away
         Session.objects.filter(pk=session.pk).update(backend_session_id=str(report["backend_session_id"])[:255])
     if status in (None, turn.status) and stop_state:
         # Stop progress only: signalled → escalated.
@@ -421,7 +422,8 @@ def _apply_events(connection: Connection, turn_id, events: list) -> dict:
         if not isinstance(raw, dict) or raw.get("kind") not in protocol.EVENT_KINDS:
             continue  # unknown kinds from newer daemons are skipped, not fatal
         data = raw.get("data") if isinstance(raw.get("data"), dict) else {}
-        if raw["kind"] == protocol.EV_SESSION and data.get("id") and not turn.session.backend_session_id:
+        if (raw["kind"] == protocol.EV_SESSION and data.get("id") and not turn.session.backend_session_id
+                and _runner_id(turn) == turn.session.connection_id):
             Session.objects.filter(pk=turn.session_id).update(backend_session_id=str(data["id"])[:255])
         # The agent's data sits under its own key: its ``id`` (a backend session id, a tool call id)
         # must not overwrite the turn's, which the timelines and the engine filter on.

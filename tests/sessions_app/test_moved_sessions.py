@@ -45,7 +45,8 @@ def running_then_moved(operator, a, b):
     first = actions.session_start(actor=operator, connection_id=a.pk, cwd="/srv/a/app", prompt="@sleep 60",
                                   idea_key=IDEA)
     turn = Turn.objects.get(pk=first["turn"])
-    assert report(a, turn, status="running", pid=4242).status_code == 200
+    assert report(a, turn, status="running", pid=4242, backend_session_id="cli-session-on-a").status_code == 200
+    assert Session.objects.get(pk=turn.session_id).backend_session_id == "cli-session-on-a"
     moved = actions.session_start(actor=operator, connection_id=b.pk, cwd="/srv/b/app", prompt="next", idea_key=IDEA)
     assert moved["session"] == first["session"]
     session = Session.objects.get(pk=first["session"])
@@ -58,10 +59,14 @@ def test_the_running_turn_keeps_its_connection_and_the_move_queues_behind_it(ope
     turn, queued = running_then_moved(operator, a, b)
     assert turn.connection_id == a.pk
     assert queued.status == "pending" and not ControlCommand.objects.filter(turn=queued).exists()
-    assert report(a, turn, status="ended", final_reply="done on A").status_code == 200
+    assert report(a, turn, status="ended", final_reply="done on A", backend_session_id="cli-session-on-a"
+                  ).status_code == 200
     queued.refresh_from_db()
     start = ControlCommand.objects.get(turn=queued)
     assert (start.connection_id, start.payload["cwd"], queued.connection_id) == (b.pk, "/srv/b/app", b.pk)
+    # A's agent session exists only on A: the moved session starts a fresh one on B.
+    assert start.payload["backend_session_id"] is None
+    assert Session.objects.get(pk=turn.session_id).backend_session_id is None
 
 
 def test_interrupt_of_a_moved_sessions_turn_goes_to_the_connection_that_runs_it(operator, hosts):
