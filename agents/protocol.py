@@ -55,6 +55,10 @@ DAEMON_WS_PATH = "/ws/daemon/"
 API_PREFIX = "/api/v1"
 HEARTBEAT_INTERVAL_S = 5
 HEARTBEAT_TIMEOUT_S = 20
+# The portal never sends a command frame larger than this (UTF-8 bytes); the daemon accepts frames
+# of up to 4 MiB (agents/daemon.py WS_MAX_MESSAGE), so a command that fits is always taken.  A
+# larger command is expired with a reason instead, so it cannot crash-loop the connection.
+COMMAND_MAX_BYTES = 1024 * 1024
 
 # Messages
 HELLO, HEARTBEAT, SNAPSHOT, ACK, RESULT = "hello", "heartbeat", "snapshot", "ack", "result"

@@ -18,6 +18,7 @@ HTTP_STATUS = {
     "changes_unacknowledged": 409,
     "conflict": 409,
     "cursor_expired": 410,
+    "payload_too_large": 413,
     "validation_error": 422,
 }
 

@@ -313,6 +313,10 @@ CHORUS_SSE_HEARTBEAT_S = env_int("CHORUS_SSE_HEARTBEAT_S", 15, minimum=1)
 # evidence for mark-interrupted) and the sweep takes it offline and settles its turns.
 CHORUS_HEARTBEAT_TIMEOUT_S = env_int("CHORUS_HEARTBEAT_TIMEOUT_S", _protocol.HEARTBEAT_TIMEOUT_S, minimum=10)
 CHORUS_IDEMPOTENCY_TTL_HOURS = 24
+# The largest prompt (or resume/hand-off context) accepted, in bytes of UTF-8: it travels to the
+# daemon in one WebSocket frame, and a command larger than agents.protocol.COMMAND_MAX_BYTES is
+# never sent (its turn settles with a wake error).  Larger requests answer 413.
+CHORUS_PROMPT_MAX_BYTES = env_int("CHORUS_PROMPT_MAX_BYTES", 256 * 1024, minimum=1024)
 
 LOGGING = {
     "version": 1,

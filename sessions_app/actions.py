@@ -33,6 +33,21 @@ CRASH_PREFACE = ("The previous turn ended abnormally (it crashed or was killed).
 TRANSCRIPT_TAIL = 10
 
 
+def prompt_check_size(text: str | None, *, field: str = "prompt") -> None:
+    """Refuse (413) a prompt or context beyond ``CHORUS_PROMPT_MAX_BYTES`` of UTF-8.
+
+    A prompt travels to the daemon inside one WebSocket frame; an unbounded one could exceed what the
+    daemon takes and block its connection (issue 7 item 14).
+    """
+    from django.conf import settings
+
+    size = len((text or "").encode("utf-8", errors="surrogatepass"))
+    limit = settings.CHORUS_PROMPT_MAX_BYTES
+    if size > limit:
+        raise ApplicationError("payload_too_large", f"the {field} is {size} bytes; at most {limit} bytes are accepted",
+                               {"field": field, "bytes": size, "limit": limit})
+
+
 def _audit(actor, action, target, outcome, *, client, reason=None, idempotency_key=None):
     audit_record(actor=actor, action=action, target=target, outcome=outcome, client=client, reason=reason,
                  idempotency_key=idempotency_key)
@@ -141,6 +156,7 @@ def session_start(*, actor, connection_id, cwd: str, prompt: str, idea_key: str 
                   idempotency_key: str | None = None) -> dict:
     if not prompt or not prompt.strip():
         raise ApplicationError("bad_request", "prompt must not be empty")
+    prompt_check_size(prompt)
     connection = _get(Connection, connection_id)
     cwd = str(PurePosixPath(cwd)) if cwd else ""
     if not cwd.startswith("/") or not services.cwd_allowed(connection, cwd):
@@ -184,6 +200,7 @@ def session_message(*, actor, session_id, prompt: str, client: str = "api", reas
                     idempotency_key: str | None = None) -> dict:
     if not prompt or not prompt.strip():
         raise ApplicationError("bad_request", "prompt must not be empty")
+    prompt_check_size(prompt)
     session = _get(Session, session_id)
     if session.status != states.SESSION_ACTIVE:
         # A session ends only by a hand-off: the work goes on in the session it was handed to.
@@ -361,6 +378,7 @@ def turn_mark_interrupted(*, actor, turn_id, evidence: dict, client: str = "api"
 # ---------------------------------------------------------------- §4.3 resume
 def session_resume(*, actor, session_id, context: str = "", client: str = "api", reason: str | None = None,
                    idempotency_key: str | None = None) -> dict:
+    prompt_check_size(context, field="context")
     session = _get(Session, session_id)
     preflight = selectors.resume_preflight(session)
     if not preflight["resumable"]:
@@ -417,6 +435,7 @@ def handoff_prompt(session: Session, context: str) -> str:
 
 def session_handoff(*, actor, session_id, context: str = "", connection_id=None, cwd: str | None = None,
                     client: str = "api", reason: str | None = None, idempotency_key: str | None = None) -> dict:
+    prompt_check_size(context, field="context")
     old = _get(Session, session_id)
     connection = _get(Connection, connection_id) if connection_id else old.connection
     cwd = cwd or old.cwd

@@ -14,7 +14,8 @@ from . import actions, services
 from .api import router  # one router per app: ninja serves one path from one router only
 from .models import Connection
 
-ERRORS = {400: ErrorBody, 401: ErrorBody, 403: ErrorBody, 404: ErrorBody, 409: ErrorBody, 422: ErrorBody}
+ERRORS = {400: ErrorBody, 401: ErrorBody, 403: ErrorBody, 404: ErrorBody, 409: ErrorBody, 413: ErrorBody,
+          422: ErrorBody}
 
 
 class StartIn(Schema):

@@ -238,11 +238,43 @@ def commands_to_deliver(*, connection_id) -> list[dict]:
         if command.expires_at and command.expires_at <= now:
             _set_command_state(command.pk, states.CMD_EXPIRED)
             continue
+        message = {"type": protocol.COMMAND, "id": str(command.pk), "action": command.action,
+                   "turn": str(command.turn_id) if command.turn_id else None, "payload": _wire_payload(command)}
+        size = protocol.encoded_size(message)
+        if size > protocol.COMMAND_MAX_BYTES:
+            # Never sent: a frame the daemon cannot take would close its socket and replay on every
+            # reconnect, blocking the connection's other commands (issue 7 item 14).
+            command_refuse_oversized(command=command, size=size)
+            continue
         if command.state == states.CMD_PENDING:
             _set_command_state(command.pk, states.CMD_DELIVERED, delivered_at=now)
-        out.append({"type": protocol.COMMAND, "id": str(command.pk), "action": command.action,
-                    "turn": str(command.turn_id) if command.turn_id else None, "payload": _wire_payload(command)})
+        out.append(message)
     return out
+
+
+def command_refuse_oversized(*, command: ControlCommand, size: int) -> None:
+    """Expire a command too large to send, with the reason; its turn settles with a clear wake error
+    and the session's next pending turn goes on."""
+    limit = protocol.COMMAND_MAX_BYTES
+    log.error("command %s (%s) for %s is %d bytes, over the %d-byte frame limit: expired, not sent",
+              command.pk, command.action, command.connection_id, size, limit)
+    _set_command_state(command.pk, states.CMD_EXPIRED,
+                       result={"error": "frame_too_large", "bytes": size, "limit": limit})
+    if not command.turn_id or command.action not in {protocol.START_TURN, protocol.RESUME}:
+        return
+    turn = Turn.objects.filter(pk=command.turn_id).first()
+    if turn is None or turn.status != states.PENDING:
+        return
+    try:
+        services.turn_set_status(
+            turn_id=turn.pk, status=states.INTERRUPTED, reason=states.REASON_CRASH,
+            wake_error={"kind": "protocol", "source": "portal",
+                        "summary": f"the turn's start command is {size} bytes, more than the {limit} bytes a "
+                                   "command may have: it was not sent to the daemon (shorten the prompt)"},
+            data={"evidence": "command_too_large"})
+    except ApplicationError:
+        return  # settled meanwhile
+    _dispatch_next(turn.session_id)
 
 
 def _wire_payload(command: ControlCommand) -> dict:
