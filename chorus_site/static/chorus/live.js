@@ -113,7 +113,9 @@
     var scheme = location.protocol === "https:" ? "wss://" : "ws://";
     var socket = new WebSocket(scheme + location.host + "/ws/live/");
     socket.onopen = function () {
-      delay = 500;
+      // The backoff is reset only once a stream is really followed ("subscribed"): a socket that
+      // opens and is closed at once (close code 4503: the portal's channel layer is down) keeps
+      // backing off instead of reconnecting every 500 ms.
       setIndicator("live", "on");
       streams.forEach(function (stream) {
         var message = {type: "subscribe", stream: stream};
@@ -123,8 +125,9 @@
     };
     socket.onmessage = function (frame) {
       var message = JSON.parse(frame.data);
-      if (message.type === "subscribed" && message.cursor !== null && cursors[message.stream] === undefined) {
-        cursors[message.stream] = message.cursor;
+      if (message.type === "subscribed") {
+        delay = 500;
+        if (message.cursor !== null && cursors[message.stream] === undefined) cursors[message.stream] = message.cursor;
       } else if (message.type === "event") {
         var event = message.event;
         if (streams.indexOf(event.stream) >= 0) cursors[event.stream] = event.id;
