@@ -4,10 +4,11 @@
     python -m agents.daemon --portal URL --key KEY ...          (the same, without Django)
 
 * **Connection** — WebSocket ``/ws/daemon/`` with ``Authorization: Bearer KEY``. On connect: ``hello``
-  then a ``snapshot`` of the running set; a ``heartbeat`` every HEARTBEAT_INTERVAL_S; a snapshot on
-  every change of the running set. Any disconnect → reconnect with exponential backoff (0.5 s
-  doubling, capped at 10 s, ±20 % jitter). Agents keep running while disconnected; their reports
-  wait in the spool.
+  then a ``snapshot`` of the running set (and of the turns queued here); a ``heartbeat`` every
+  HEARTBEAT_INTERVAL_S listing the running turns; a snapshot on every change of the running set. Any
+  disconnect → reconnect with exponential backoff (0.5 s doubling, capped at 2 s, ±20 % jitter,
+  back to 0.5 s once the portal welcomes us). Agents keep running while disconnected; their reports
+  wait in the spool. The portal reconciles with what we say we hold (sessions_app/reconcile.py).
 * **Commands** — every ``command`` is acked. A command id seen before is acked again (and a probe's
   result sent again) but acted on once. ``start_turn``/``resume`` queue a turn; ``interrupt`` stops
   one (§4.1); ``probe`` answers ``{"held": bool}``.
@@ -59,8 +60,9 @@ log = logging.getLogger("chorus.daemon")
 
 DAEMON_VERSION = "0.1.0"
 RECONNECT_FIRST_S = 0.5
-RECONNECT_CAP_S = 10.0
-STABLE_CONNECTION_S = 10.0     # a connection that lived this long resets the backoff
+# Short: while the portal is away its sweep may settle our running turns offline; the sooner we are
+# back, the sooner our snapshot reopens them (and a restarted portal is reached within ~2 s).
+RECONNECT_CAP_S = 2.0
 SEEN_COMMANDS_MAX = 10000
 FINISHED_TURNS_MAX = 10000
 SHUTDOWN_FLUSH_S = 5.0
@@ -80,6 +82,22 @@ class SpoolReporter:
     def events(self, turn: str, events: list[dict]) -> None:
         self.sender.submit(lane=turn, path=report_path_events(turn), body={"report_id": p.new_report_id(),
                                                                           "events": events})
+
+
+class Backoff:
+    """Reconnect delays: RECONNECT_FIRST_S doubling up to RECONNECT_CAP_S, ±20 % jitter; ``reset()``
+    once the portal serves us (its welcome)."""
+
+    def __init__(self, first_s: float = RECONNECT_FIRST_S, cap_s: float = RECONNECT_CAP_S):
+        self.first_s, self.cap_s = first_s, cap_s
+        self.delay = first_s
+
+    def next(self) -> float:
+        delay, self.delay = self.delay, min(self.cap_s, self.delay * 2)
+        return delay * (0.8 + 0.4 * random.random())  # noqa: S311 — jitter, not security
+
+    def reset(self) -> None:
+        self.delay = self.first_s
 
 
 class Daemon:
@@ -111,6 +129,7 @@ class Daemon:
         self.recovering: set[str] = set()  # turns an earlier, killed run left behind (agents.orphans)
         self._first_signal_at = 0.0
         self._background: set[asyncio.Task] = set()
+        self.backoff = Backoff()
 
     # ------------------------------------------------------------------ main
     async def run(self) -> int:
@@ -121,6 +140,10 @@ class Daemon:
         self.reporter = SpoolReporter(self.sender)
         self.sampler = TreeSampler()
         backlog = self.sender.load_pending()
+        for lane in self.sender.lanes():
+            # An earlier run worked on these turns (its reports wait here): a start the portal sends
+            # again for one of them is never acted on (a turn runs at most once per daemon spool).
+            self.finished.setdefault(lane, "earlier run")
         if backlog:
             log.info("sending %d report(s) left in the spool by an earlier run", backlog)
         self.registry = RunningRegistry(os.path.join(self.config.spool_dir, "running"))
@@ -203,12 +226,9 @@ class Daemon:
 
     # ------------------------------------------------------------------ the portal link
     async def _connection_loop(self) -> None:
-        delay = RECONNECT_FIRST_S
         while True:
-            opened_at = None
             try:
                 async with self._open() as ws:
-                    opened_at = time.monotonic()
                     self.ws = ws
                     self.connected.set()
                     log.info("connected to %s", self.config.ws_url)
@@ -222,10 +242,7 @@ class Daemon:
             finally:
                 self.ws = None
                 self.connected.clear()
-            if opened_at is not None and time.monotonic() - opened_at >= STABLE_CONNECTION_S:
-                delay = RECONNECT_FIRST_S
-            await asyncio.sleep(delay * (0.8 + 0.4 * random.random()))  # noqa: S311 — jitter
-            delay = min(RECONNECT_CAP_S, delay * 2)
+            await asyncio.sleep(self.backoff.next())
 
     def _open(self):
         headers = {"Authorization": f"Bearer {self.config.key}"}
@@ -264,7 +281,10 @@ class Daemon:
         while True:
             await asyncio.sleep(self.heartbeat_interval_s)
             # The spool's health rides along: queued reports, parked refusals, the oldest's age.
-            await self._send({"type": p.HEARTBEAT, "spool": self.sender.health()}, ws)
+            # The turns we run ride along too: a portal that settled them offline while we were frozen
+            # (the socket stayed open, no new hello or snapshot follows) reopens them at once.
+            await self._send({"type": p.HEARTBEAT, "spool": self.sender.health(),
+                              "running": [t["turn"] for t in self.running()]}, ws)
 
     async def _send(self, message: dict, ws=None) -> bool:
         ws = ws or self.ws
@@ -281,6 +301,7 @@ class Daemon:
     async def _handle(self, message: dict, ws) -> None:
         kind = message["type"]
         if kind == p.WELCOME:
+            self.backoff.reset()  # the portal serves us: the next reconnect starts from the first delay
             self.connection_id = message.get("connection")
             try:
                 interval = float(message.get("heartbeat_interval_s") or p.HEARTBEAT_INTERVAL_S)
@@ -354,6 +375,7 @@ class Daemon:
         if runner in self.queue:
             log.info("turn %s waits: %d running (max %d)%s", request.turn, len(self.tasks),
                      self.config.max_concurrency, ", its session is busy" if self._session_busy(runner) else "")
+            self.running_set_changed()  # the snapshot says it is queued here: taken, not lost
 
     def interrupt_turn(self, command: dict) -> dict | None:
         """Stop a turn held here; for a turn this daemon knows nothing of, the answer ``{"held": False}``."""
@@ -433,6 +455,7 @@ class Daemon:
     async def _send_snapshot(self, ws=None) -> None:
         self._snapshot_due = False
         await self._send({"type": p.SNAPSHOT, "running": self.running(),
+                          "queued": [runner.turn for runner in self.queue],  # taken, not started: not lost
                           "spool": self.sender.health() if self.sender is not None else None}, ws)
 
 

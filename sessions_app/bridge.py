@@ -63,6 +63,9 @@ def connection_daemon_connected(*, connection_id, hello: dict) -> Connection:
     }
     if hello.get("host"):
         fields["host"] = str(hello["host"])[:255]
+    # A new link: its snapshot follows.  A start acked before this moment was taken by an earlier
+    # link, possibly by a daemon that died since (sessions_app.reconcile).
+    fields["last_snapshot"] = {"hello_at": now.isoformat()}
     with transaction.atomic():
         connection = Connection.objects.select_for_update(no_key=True).get(pk=connection_id)
         if connection.status == states.CONN_OFFLINE:
@@ -115,8 +118,12 @@ def connection_store_spool_health(*, connection_id, spool: dict) -> None:
     Connection.objects.filter(pk=connection_id).update(**_with_spool_health(spool))
 
 
-def connection_heartbeat(*, connection_id, spool: dict | None = None) -> None:
-    # Frequent and cheap: no event; the status flips back online if a sweep had marked it offline.
+def connection_heartbeat(*, connection_id, spool: dict | None = None, running: list | None = None) -> None:
+    """Frequent and cheap: no event; the status flips back online if a sweep had marked it offline.
+
+    ``running``: the turns the daemon runs (ids).  One that the sweep settled offline meanwhile (a
+    daemon frozen, its socket still open: no new hello or snapshot follows) is reopened at once.
+    """
     updated = Connection.objects.filter(pk=connection_id).exclude(status=states.CONN_OFFLINE).update(
         last_heartbeat_at=timezone.now(), **_with_spool_health(spool))
     if not updated:
@@ -125,6 +132,23 @@ def connection_heartbeat(*, connection_id, spool: dict | None = None) -> None:
                                            last_heartbeat_at=timezone.now())
         except ApplicationError:
             pass
+        if running is None:  # a daemon that does not say: its latest snapshot, on the same socket
+            running = (Connection.objects.filter(pk=connection_id).values_list("last_snapshot", flat=True).first()
+                       or {}).get("running")
+    if running:
+        from .reconcile import listed_turns, turns_reconcile_listed
+
+        _reconcile_safely(turns_reconcile_listed, connection_id=connection_id, listed=listed_turns(running),
+                          basis="heartbeat")
+
+
+def _reconcile_safely(fn, **kwargs):
+    """A reconcile that fails is logged; it never takes a daemon's presence down with it."""
+    try:
+        return fn(**kwargs)
+    except Exception:  # noqa: BLE001 — the next snapshot or heartbeat tries again
+        log.exception("reconcile %s of %s failed", fn.__name__, kwargs.get("connection_id"))
+        return None
 
 
 def connection_daemon_disconnected(*, connection_id) -> None:
@@ -136,10 +160,27 @@ def connection_daemon_disconnected(*, connection_id) -> None:
         pass  # already offline
 
 
-def connection_store_snapshot(*, connection_id, running: list) -> None:
-    running = ingest(running)
-    Connection.objects.filter(pk=connection_id).update(
-        last_snapshot={"at": timezone.now().isoformat(), "running": running}, last_heartbeat_at=timezone.now())
+def connection_store_snapshot(*, connection_id, running: list, queued: list | None = None) -> None:
+    """Keep the daemon's running set (authoritative for reconcile, SPEC §3.1) and reconcile with it:
+    turns settled offline that it holds run again; pending work it does not hold is (re)dispatched."""
+    from .reconcile import connection_dispatch_pending, linked_at_of, listed_turns, turns_reconcile_listed
+
+    running, queued = ingest(running), ingest(queued)
+    now = timezone.now()
+    with transaction.atomic():
+        previous = Connection.objects.select_for_update(no_key=True).filter(pk=connection_id).values_list(
+            "last_snapshot", flat=True).first() or {}
+        snapshot = {"at": now.isoformat(), "running": running}
+        if queued is not None:
+            snapshot["queued"] = queued
+        if previous.get("hello_at"):
+            snapshot["hello_at"] = previous["hello_at"]
+        Connection.objects.filter(pk=connection_id).update(last_snapshot=snapshot, last_heartbeat_at=now)
+    listed = listed_turns(running)
+    _reconcile_safely(turns_reconcile_listed, connection_id=connection_id, listed=listed, basis="snapshot",
+                      snapshot_at=snapshot["at"])
+    _reconcile_safely(connection_dispatch_pending, connection_id=connection_id, held=set(listed),
+                      queued=None if queued is None else set(listed_turns(queued)), linked_at=linked_at_of(snapshot))
 
 
 def connections_sweep_stale(*, now=None) -> dict:
@@ -375,6 +416,19 @@ def _apply_advance(connection: Connection, turn_id, report: dict) -> dict:
     turn = services.turn_lock(turn.pk, related=("session",))
     status = report.get("status")
     stop_state = report.get("stop_state")
+    if (turn.status == states.INTERRUPTED and turn.interrupted_reason == states.REASON_OFFLINE
+            and status in {protocol.RUNNING, protocol.REQUIRES_ACTION, protocol.ENDED}):
+        # The daemon that runs it reports on a turn settled offline while it was away: it held the
+        # turn after all.  Reopened (explicit, audited), then this report applies as usual.
+        from .reconcile import turn_reconcile_held
+
+        if turn_reconcile_held(connection_id=connection.pk, turn_id=turn.pk, evidence={
+                "basis": "daemon_report", "status": status, "report_id": str(report.get("report_id"))}):
+            turn = services.turn_lock(turn.pk, related=("session",))
+            if status == protocol.RUNNING:
+                if report.get("pid") is not None:
+                    Turn.objects.filter(pk=turn.pk).update(pid=int(report["pid"]))
+                return {"turn": str(turn.pk), "status": turn.status, "stop_state": turn.stop_state}
     session = turn.session
     if (report.get("backend_session_id") and report["backend_session_id"] != session.backend_session_id
             and _runner_id(turn) == session.connection_id):  # not from where the session moved away

@@ -42,6 +42,7 @@ LAYER_REJOIN_S = 1.0
 class DaemonConsumer(LayerAwareConsumer, AsyncWebsocketConsumer):
     """Serves its daemon whatever the channel layer does: heartbeats, reports and the command poll
     need only the database; the layer (a wake-up for pushes) is re-joined when it answers again."""
+
     connection_id = None
     poller = None
 
@@ -114,14 +115,17 @@ class DaemonConsumer(LayerAwareConsumer, AsyncWebsocketConsumer):
         cid = self.connection_id
         spool = frame.spool.model_dump(mode="json") if getattr(frame, "spool", None) is not None else None
         if kind == protocol.HEARTBEAT:
-            await database_sync_to_async(bridge.connection_heartbeat)(connection_id=cid, spool=spool)
+            running = None if frame.running is None else [str(turn) for turn in frame.running]
+            await database_sync_to_async(bridge.connection_heartbeat)(connection_id=cid, spool=spool, running=running)
         elif kind == protocol.HELLO:
             hello = frame.model_dump(mode="json", exclude_none=True)
             await database_sync_to_async(bridge.connection_daemon_connected)(connection_id=cid, hello=hello)
             await self.commands_push({})
         elif kind == protocol.SNAPSHOT:
             running = frame.model_dump(mode="json")["running"]
-            await database_sync_to_async(bridge.connection_store_snapshot)(connection_id=cid, running=running)
+            queued = None if frame.queued is None else [str(turn) for turn in frame.queued]
+            await database_sync_to_async(bridge.connection_store_snapshot)(connection_id=cid, running=running,
+                                                                           queued=queued)
             if spool is not None:
                 await database_sync_to_async(bridge.connection_store_spool_health)(connection_id=cid, spool=spool)
         elif kind == protocol.ACK:

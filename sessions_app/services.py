@@ -241,6 +241,44 @@ def turn_set_status(
     return turn
 
 
+def turn_reopen_held(*, turn_id, evidence: dict) -> Turn:
+    """A turn settled ``interrupted(offline)`` whose daemon still holds its process runs again.
+
+    ``offline`` is the portal's guess (the heartbeat went stale); the daemon's word about its own
+    processes wins (SPEC §11).  The only transition out of a terminal status
+    (``states.TURN_RECONCILE_TRANSITIONS``), recorded as ``turn.status`` and a ``turn.reconciled``
+    event with the evidence and what the settle had recorded.  Refused (409) unless the turn is
+    ``interrupted(offline)``, and while another turn of its session runs: never two at once.
+    """
+    with transaction.atomic():
+        turn = turn_lock(turn_id)  # session → turn
+        if turn is None:
+            raise ApplicationError("not_found", f"turn {turn_id} does not exist")
+        session_id = turn.session_id
+        if turn.status != states.INTERRUPTED or turn.interrupted_reason != states.REASON_OFFLINE:
+            raise ApplicationError("invalid_transition", f"a turn that is {turn.status_label} is not reopened",
+                                   {"status": turn.status, "interrupted_reason": turn.interrupted_reason})
+        other = (Turn.objects.filter(session_id=session_id, status__in=[states.RUNNING, states.REQUIRES_ACTION])
+                 .exclude(pk=turn.pk).values_list("pk", flat=True).first())
+        if other is not None:
+            raise ApplicationError("conflict", "another turn of this session runs; interrupt this one instead",
+                                   {"running": str(other)})
+        record = {**evidence, "settled": {"ended_at": turn.ended_at.isoformat() if turn.ended_at else None,
+                                          "interrupt_evidence": turn.interrupt_evidence}}
+        turn = transition(
+            model=Turn, pk=turn.pk, field="status", table=states.TURN_RECONCILE_TRANSITIONS, to=states.RUNNING,
+            stream=f"session:{session_id}", kind="turn.status", actor=actor_name(None),
+            updates={"interrupted_reason": "", "ended_at": None, "interrupt_evidence": None},
+            data={"session": str(session_id), "reconciled": True},
+        )
+        event_append(stream=f"session:{session_id}", kind="turn.reconciled", actor=actor_name(None),
+                     data={"id": str(turn.pk), "session": str(session_id), "from": "interrupted(offline)",
+                           "to": states.RUNNING, "evidence": record})
+        Session.objects.filter(pk=session_id).update(last_turn_at=timezone.now())
+        turn_status_changed(turn_id=turn.pk, attempt_id=turn.attempt_id, status=states.RUNNING)
+    return turn
+
+
 def _default_wake_kind(reason: str) -> str:
     return {states.REASON_INVALID_PATH: "invalid_path", states.REASON_TIMEOUT: "timeout"}.get(reason, "exited_nonzero")
 

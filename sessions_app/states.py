@@ -10,6 +10,10 @@ TURN_TRANSITIONS: dict[str, set[str]] = {
     RUNNING: {ENDED, INTERRUPTED, REQUIRES_ACTION},
     REQUIRES_ACTION: {RUNNING, ENDED, INTERRUPTED},
 }
+# The one way out of a terminal status, and only through services.turn_reopen_held: a turn the portal
+# settled interrupted(offline) while its daemon was away, that the daemon still holds (SPEC §11: the
+# daemon's snapshot is the truth about the processes it holds).  Never part of TURN_TRANSITIONS.
+TURN_RECONCILE_TRANSITIONS: dict[str, set[str]] = {INTERRUPTED: {RUNNING}}
 TURN_TERMINAL = {ENDED, INTERRUPTED, MERGED}
 TURN_ACTIVE = {PENDING, RUNNING, REQUIRES_ACTION}
 
