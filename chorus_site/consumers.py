@@ -10,11 +10,13 @@ each stream's last cursor (``after``) — nothing is lost, the log is read from 
 
 from __future__ import annotations
 
+import asyncio
 import re
 
 from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncJsonWebsocketConsumer
 
+from .access import Grant, grant_still_valid, recheck_interval
 from .errors import ApplicationError
 from .events import DASHBOARD_GROUP, parse_cursor, stream_group
 from .layer_health import LAYER_LOST_CLOSE, LayerAwareConsumer
@@ -51,9 +53,30 @@ class LiveConsumer(LayerAwareConsumer, AsyncJsonWebsocketConsumer):
             return
         self.positions: dict[str, StreamPosition] = {}
         self.dashboard = False
+        session = self.scope.get("session")
+        self.grant = Grant(user_id=user.pk, session_key=getattr(session, "session_key", None))
         await self.accept()
+        self.access_watch = asyncio.ensure_future(self._watch_access())
+
+    async def _watch_access(self):
+        """Close the socket once its holder loses access; drop streams whose object is gone."""
+        while True:
+            await asyncio.sleep(recheck_interval())
+            if not await database_sync_to_async(grant_still_valid)(self.grant):
+                for stream in [*self.positions, *(["dashboard"] if self.dashboard else [])]:
+                    await self._unsubscribe(stream)  # nothing more is passed on
+                await self._error("unauthorized", "access was revoked: sign in again")
+                await self.close(code=4403)
+                return
+            for stream in list(self.positions):
+                if not await database_sync_to_async(_stream_exists)(stream):
+                    await self._unsubscribe(stream)
+                    await self._error("not_found", "no such stream", stream)
 
     async def disconnect(self, code):
+        watch = getattr(self, "access_watch", None)
+        if watch is not None and watch is not asyncio.current_task():
+            watch.cancel()
         for stream in list(getattr(self, "positions", {})):
             await self.layer_leave(stream_group(stream))
         if getattr(self, "dashboard", False):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 from uuid import UUID
 
@@ -10,6 +11,7 @@ from django.conf import settings
 from django.http import JsonResponse, StreamingHttpResponse
 from ninja import Router, Schema
 
+from .access import Grant, grant_still_valid, recheck_interval
 from .api import ErrorBody, require_ops
 from .errors import ApplicationError
 from .events import events_after, parse_cursor
@@ -69,16 +71,64 @@ def run_events(request, run_id: UUID, after: str = None, limit: int = 200):
 
 # ---------------------------------------------------------------- SSE
 async def _stream_user(request):
-    """Bearer token or session cookie; SSE is GET-only, so CSRF does not apply."""
+    """Bearer token or session cookie; SSE is GET-only, so CSRF does not apply.
+
+    Returns (user, grant): the grant is what the open stream re-checks (issue 8 item 6).
+    """
     header = request.headers.get("Authorization", "")
     if header[:7].lower() == "bearer ":
-        return await sync_to_async(token_authenticate)(header[7:])
+        user = await sync_to_async(token_authenticate)(header[7:])
+        return user, (Grant(user_id=user.pk, token=header[7:]) if user is not None else None)
     user = await request.auser()
-    return user if user.is_authenticated and user.is_active else None
+    if not (user.is_authenticated and user.is_active):
+        return None, None
+    return user, Grant(user_id=user.pk, session_key=request.session.session_key)
 
 
 def _error(exc: ApplicationError) -> JsonResponse:
     return JsonResponse(exc.as_body(), status=exc.status)
+
+
+async def _while_allowed(follower, grant: Grant):
+    """The follower's messages until the grant stops being valid (checked every few seconds).
+
+    The follower runs in a task of its own feeding a queue, so the check does not wait for the
+    next event or heartbeat, and cancelling a wait on the queue never interrupts the follower.
+    """
+    queue: asyncio.Queue = asyncio.Queue(maxsize=100)
+    done = object()
+
+    async def pump():
+        try:
+            async for message in follower:
+                await queue.put(message)
+        finally:
+            await queue.put(done)
+
+    task = asyncio.ensure_future(pump())
+    interval = recheck_interval()
+    loop = asyncio.get_running_loop()
+    next_check = loop.time() + interval
+    try:
+        while True:
+            if loop.time() >= next_check:  # also on a busy stream, where the queue never runs dry
+                if not await sync_to_async(grant_still_valid)(grant):
+                    return  # access revoked: the stream ends; a reconnect is refused
+                next_check = loop.time() + interval
+            try:
+                message = await asyncio.wait_for(queue.get(), timeout=max(0.0, next_check - loop.time()))
+            except asyncio.TimeoutError:
+                continue
+            if message is done:
+                return
+            yield message
+    finally:
+        task.cancel()
+        try:
+            await task
+        except (asyncio.CancelledError, Exception):
+            pass
+        await follower.aclose()
 
 
 def sse_frame(message: dict) -> str:
@@ -86,7 +136,7 @@ def sse_frame(message: dict) -> str:
 
 
 async def _sse(request, kind: str, object_id: UUID, after: str | None):
-    user = await _stream_user(request)
+    user, grant = await _stream_user(request)
     if user is None:
         return _error(ApplicationError("unauthorized", "authentication required (session cookie or Bearer token)"))
     try:
@@ -102,11 +152,8 @@ async def _sse(request, kind: str, object_id: UUID, after: str | None):
 
     async def body():
         yield ": connected\n\n"
-        try:
-            async for message in follower:
-                yield ": heartbeat\n\n" if message is None else sse_frame(message)
-        finally:
-            await follower.aclose()
+        async for message in _while_allowed(follower, grant):
+            yield ": heartbeat\n\n" if message is None else sse_frame(message)
 
     response = StreamingHttpResponse(body(), content_type="text/event-stream")
     response["Cache-Control"] = "no-cache"

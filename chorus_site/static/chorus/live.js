@@ -140,7 +140,12 @@
         setIndicator("offline", message.code);
       }
     };
-    socket.onclose = function () {
+    socket.onclose = function (closed) {
+      if (closed.code === 4401 || closed.code === 4403) {
+        // Signed out, or access revoked (the portal re-checks every few seconds): no retry loop.
+        setIndicator("offline", "access ended: reload the page to sign in");
+        return;
+      }
       setIndicator("offline", "reconnecting");
       setTimeout(connect, delay);
       delay = Math.min(delay * 2, 10000);
