@@ -309,6 +309,9 @@ CELERY_BEAT_SCHEDULE = {
 # ---------------------------------------------------------------- chorus
 CHORUS_EVENT_RETENTION_DAYS = env_int("CHORUS_EVENT_RETENTION_DAYS", 7, minimum=1)
 CHORUS_SSE_HEARTBEAT_S = env_int("CHORUS_SSE_HEARTBEAT_S", 15, minimum=1)
+# Open WebSocket and SSE streams re-check their holder's access this often (role removed, user
+# deactivated, login session deleted, token revoked → the stream closes).
+CHORUS_ACCESS_RECHECK_S = env_int("CHORUS_ACCESS_RECHECK_S", 5, minimum=1)
 # The one staleness threshold of daemon heartbeats: past it a connection is not live (no new work,
 # evidence for mark-interrupted) and the sweep takes it offline and settles its turns.
 CHORUS_HEARTBEAT_TIMEOUT_S = env_int("CHORUS_HEARTBEAT_TIMEOUT_S", _protocol.HEARTBEAT_TIMEOUT_S, minimum=10)
