@@ -27,19 +27,18 @@ ROUNDS = 20
 def agent_post(token, url, body, expected=201):
     response = Client().post(url, data=json.dumps(body), content_type="application/json",
                              HTTP_AUTHORIZATION=f"Bearer {token}")
-    assert response.status_code == expected, (response.status_code, response.content[:300])
+    assert expected is None or response.status_code == expected, (response.status_code, response.content[:300])
     return response
 
 
 def attempt_whose_turn_ended(session):
-    """A run whose only attempt's turn has ended with an explicit success: the next tick finishes the
-    attempt, the task, the node, the run and moves the issue to review (many rows, many events)."""
+    """A run whose only attempt's turn has ended: the next tick finishes the attempt, the task, the
+    node and the run, and moves the issue on (many rows, many events)."""
     connection = session.connection
     issue = factories.make_issue(status="in_progress")
     run, node, task, attempt = factories.make_run_graph(issue=issue, connection=connection)
     turn = factories.make_turn(session=session, status="ended", attempt_id=attempt.pk)
-    Attempt.objects.filter(pk=attempt.pk).update(turn=turn, session=session,
-                                                 outcome={"intent": "succeeded", "summary": "done"})
+    Attempt.objects.filter(pk=attempt.pk).update(turn=turn, session=session)
     return run, attempt
 
 
@@ -47,33 +46,37 @@ def tick(run):
     return lambda: engine.run_tick_apply(run_id=run.pk)
 
 
-def test_agent_artifact_and_the_tick_do_not_deadlock():
+def test_an_agents_artifact_comment_and_outcome_and_the_tick_do_not_deadlock():
+    # All three talk-back routes against the tick that ends the attempt, at once.  The artifact and
+    # the comment always land.  The outcome lands before the tick (the run succeeds with it) or after
+    # it (the attempt has ended without one: refused, and the run fails): never recorded and then
+    # ignored, never a deadlock.
     session = factories.make_session()
     for n in range(ROUNDS):
         run, attempt = attempt_whose_turn_ended(session)
         token = task_token_for(attempt)
+        answers = []
+
+        def outcome():
+            response = agent_post(token, f"/api/v1/attempts/{attempt.pk}/outcome",
+                                  {"intent": "succeeded", "summary": "done"}, expected=None)
+            answers.append(response.status_code)
+            assert response.status_code in {200, 409}, response.content[:300]
+
         outcomes = run_together(
             lambda: agent_post(token, "/api/v1/artifacts", {"kind": "report", "name": f"r{n}.md", "content": "# ok"}),
-            tick(run),
-        )
-        assert outcomes == ["ok", "ok"], outcomes
-        assert Artifact.objects.filter(run=run, attempt=attempt).count() == 1
-        assert Run.objects.get(pk=run.pk).state == "succeeded"
-
-
-def test_agent_comment_and_the_tick_do_not_deadlock():
-    session = factories.make_session()
-    for _ in range(ROUNDS):
-        run, attempt = attempt_whose_turn_ended(session)
-        token = task_token_for(attempt)
-        outcomes = run_together(
             lambda: agent_post(token, f"/api/v1/issues/{run.issue_id}/comments", {"body": "progress: 90%",
                                                                                  "type": "progress"}),
+            outcome,
             tick(run),
         )
-        assert outcomes == ["ok", "ok"], outcomes
+        assert outcomes == ["ok", "ok", "ok", "ok"], outcomes
+        assert Artifact.objects.filter(run=run, attempt=attempt).count() == 1
         assert Comment.objects.filter(issue_id=run.issue_id, source_attempt=attempt).count() == 1
-        assert Run.objects.get(pk=run.pk).state == "succeeded"
+        [status] = answers
+        stored = Run.objects.get(pk=run.pk)
+        assert (status, stored.state) in {(200, "succeeded"), (409, "failed")}, (status, stored.state)
+        assert Attempt.objects.get(pk=attempt.pk).state == ("succeeded" if status == 200 else "failed")
 
 
 def failed_task(*, max_task_retries=0):
