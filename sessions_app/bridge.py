@@ -31,6 +31,11 @@ from .models import Connection, ControlCommand, Session, Turn
 log = logging.getLogger(__name__)
 
 COMMAND_TTL = timedelta(hours=1)
+# A pending turn has no process to lose, so it waits for its daemon longer than a running turn does:
+# a daemon restarted (or a portal back) just after the sweep settled its running turns still gets its
+# queued work (sessions_app.reconcile dispatches or re-sends it from the daemon's snapshot).  Past
+# this many heartbeat thresholds it is settled, so it never stays pending forever (issue 7 item 6).
+PENDING_GRACE_FACTOR = 3
 
 
 def daemon_group(connection_id) -> str:
@@ -213,15 +218,16 @@ def connections_sweep_stale(*, now=None) -> dict:
         except ApplicationError:
             pass  # the daemon's own report won the race
     return {"connections_offline": went_offline, "turns_settled": settled,
-            "pending_settled": _pending_turns_settle_gone(cutoff)}
+            "pending_settled": _pending_turns_settle_gone(now - PENDING_GRACE_FACTOR * selectors.heartbeat_timeout())}
 
 
 def _pending_turns_settle_gone(cutoff) -> int:
-    """Pending turns (sent or queued) whose connection has been gone past the threshold settle
-    ``interrupted(offline)``: a daemon killed after acking a start would otherwise leave the turn
-    pending forever, blocking every later turn of its session.  A start command the daemon never
-    took is withdrawn first, so a daemon that comes back does not start a settled turn.  A daemon
-    back within the threshold reconciles its pending turns itself (hello/snapshot)."""
+    """Pending turns (sent or queued) whose connection has been gone past the pending grace
+    (PENDING_GRACE_FACTOR thresholds) settle ``interrupted(offline)``: a daemon killed after acking a
+    start would otherwise leave the turn pending forever, blocking every later turn of its session.
+    A start command the daemon never took is withdrawn first, so a daemon that comes back does not
+    start a settled turn.  A daemon back within the grace reconciles its pending turns itself
+    (hello/snapshot, sessions_app.reconcile)."""
     pending = Turn.objects.filter(status=states.PENDING, created_at__lt=cutoff)
     gone = set(pending.filter(connection__isnull=False).exclude(
         connection__last_heartbeat_at__gte=cutoff).values_list("pk", flat=True))

@@ -10,6 +10,7 @@ import uuid
 from datetime import timedelta
 
 import pytest
+from django.conf import settings
 from django.test import Client
 from django.utils import timezone
 
@@ -156,9 +157,13 @@ def test_a_turn_queued_behind_one_settled_offline_is_dispatched_when_the_daemon_
     waiting = Turn.objects.get(pk=actions.session_message(actor=None, session_id=first.session_id,
                                                           prompt="@reply next")["turn"])
     assert not ControlCommand.objects.filter(turn=waiting).exists()  # queued behind the running turn
-    Connection.objects.filter(pk=connection.pk).update(last_heartbeat_at=timezone.now() - timedelta(minutes=5))
+    # The daemon has been away past the threshold, not past the pending grace (bridge.PENDING_GRACE_FACTOR).
+    away = timedelta(seconds=settings.CHORUS_HEARTBEAT_TIMEOUT_S + 5)
+    Turn.objects.filter(pk=waiting.pk).update(created_at=timezone.now() - away)
+    Connection.objects.filter(pk=connection.pk).update(last_heartbeat_at=timezone.now() - away)
     bridge.connections_sweep_stale()
     assert Turn.objects.get(pk=first.pk).interrupted_reason == "offline"
+    assert Turn.objects.get(pk=waiting.pk).status == "pending"  # no process to lose: it waits longer
     bridge.connection_daemon_connected(connection_id=connection.pk, hello=HELLO)
     bridge.connection_store_snapshot(connection_id=connection.pk, running=[], queued=[])
     command = ControlCommand.objects.get(turn=waiting)

@@ -79,10 +79,10 @@ def test_the_sweep_settles_pending_turns_of_a_connection_gone_past_the_threshold
     unsent = pending_turn(operator, connection)  # another session: its command was never taken
     other = online(factories.make_connection(cwds=["/srv/work"]))
     alive = pending_turn(operator, other)
-    threshold = threshold_s()
-    long_ago = timezone.now() - timedelta(seconds=threshold + 60)
+    grace = bridge.PENDING_GRACE_FACTOR * threshold_s()  # pending turns wait longer than running ones
+    long_ago = timezone.now() - timedelta(seconds=grace + 60)
     Turn.objects.filter(pk__in=[gone.pk, queued.pk, unsent.pk, alive.pk]).update(created_at=long_ago)
-    online(connection, age_s=threshold + 30)
+    online(connection, age_s=grace + 30)
 
     result = bridge.connections_sweep_stale()
 
