@@ -157,12 +157,13 @@ def _load_gitleaks() -> tuple[list, list[re.Pattern], set[str]]:
         for lead in ("\\b", "(?i)\\b"):  # a JSON escape is a boundary here too
             if regex.startswith(lead):
                 regex = lead[:-2] + _B + regex[len(lead):]
-        rules.append((rule["id"], re.compile(regex), rule["group"], rule["entropy"], tuple(rule["keywords"])))
-    keywords = {k for rule in rules for k in rule[4]}
+        rules.append((rule["id"], re.compile(regex), rule["group"], rule["entropy"], frozenset(rule["keywords"])))
+    keywords = tuple(sorted({k for rule in rules for k in rule[4]}))
     return rules, [re.compile(a) for a in data["allowlist"]], keywords
 
 
 _GITLEAKS, _GITLEAKS_ALLOW, _GITLEAKS_KEYWORDS = _load_gitleaks()
+_GITLEAKS_KEYWORD_RE = re.compile("|".join(map(re.escape, _GITLEAKS_KEYWORDS)))
 
 
 def _masked(text: str, span: tuple[int, int], base: int = 0) -> str:
@@ -191,8 +192,11 @@ def _apply(patterns, text: str, found: set[str]) -> str:
 
 def _apply_gitleaks(text: str, found: set[str]) -> str:
     low = text.lower()
+    present = {k for k in _GITLEAKS_KEYWORDS if k in low}  # a rule runs only when one of its keywords is there
+    if not present:
+        return text
     for _rule_id, pattern, group, min_entropy, keywords in _GITLEAKS:
-        if keywords and not any(k in low for k in keywords):
+        if keywords and keywords.isdisjoint(present):
             continue
 
         def replace(match: re.Match, group=group, min_entropy=min_entropy) -> str:
@@ -290,8 +294,7 @@ _ANY_PATTERN_HINT = re.compile(
 def _may_hold_secret(decoded: str) -> bool:
     if _ANY_PATTERN_HINT.search(decoded):
         return True
-    low = decoded.lower()
-    return any(k in low for k in _GITLEAKS_KEYWORDS)
+    return _GITLEAKS_KEYWORD_RE.search(decoded.lower()) is not None
 
 
 def _holds_secret(run: str, found: set[str], depth: int) -> bool:

@@ -47,7 +47,7 @@ DIRECTIVES = (
     "background", "fail-start", "require-approval", "await-tool", "outcome", "member", "comment",
     "artifact", "usage", "cat", "stderr-file",
 )
-FILE_REF = re.compile(r"\{file:([^{}]+)\}")
+FILE_REF = re.compile(r"\{(file|env):([^{}]+)\}")
 OUTCOME_INTENTS = ("succeeded", "failed", "blocked", "waiting")
 SESSION_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 EXIT_STOPPED, EXIT_FAIL_START, EXIT_REFUSED, EXIT_UNKNOWN_SESSION = 130, 127, 2, 1
@@ -192,13 +192,17 @@ def context_ids() -> dict:
 
 def expand(text: str, cwd: str) -> str:
     """``{file:PATH}`` replaced by that file's text (its last newline dropped), PATH relative to the
-    cwd: what the agent prints then need not be in its prompt (the canary suite's secrets)."""
+    cwd, and ``{env:NAME}`` by that environment variable: what the agent prints then need not be in
+    its prompt (the canary suite's secrets, an agent printing its own task token)."""
     def read(match: re.Match) -> str:
+        kind, name = match.groups()
+        if kind == "env":
+            return os.environ.get(name, "")
         try:
-            with open(os.path.join(cwd, match.group(1)), encoding="utf-8") as fh:
+            with open(os.path.join(cwd, name), encoding="utf-8") as fh:
                 return fh.read().removesuffix("\n")
         except OSError as exc:
-            raise Refused(f"cannot read {match.group(1)}: {exc.strerror}") from None
+            raise Refused(f"cannot read {name}: {exc.strerror}") from None
 
     return FILE_REF.sub(read, text)
 
