@@ -4,17 +4,19 @@ from __future__ import annotations
 
 import base64
 import binascii
+import math
 
 from django.db.models import QuerySet
 from django.http import Http404
 from ninja import NinjaAPI, Schema, Status
-from ninja.errors import AuthenticationError, HttpError, ValidationError
+from ninja.errors import AuthenticationError, HttpError, Throttled, ValidationError
 from ninja.security import APIKeyCookie, HttpBearer
 from django.conf import settings
 
 from .errors import ApplicationError
 from .idempotency import idempotent_call
 from .permissions import has_ops_role
+from .throttling import CallerThrottle, bearer_of, client_ident, credential_failed, credential_gate
 from .tokens import token_authenticate
 
 
@@ -37,6 +39,7 @@ class SessionCookieAuth(APIKeyCookie):
 
 class TokenAuth(HttpBearer):
     def authenticate(self, request, token):
+        credential_gate(client_ident(request), token)  # 429 after too many failures
         user = token_authenticate(token)
         if user is not None:
             request.user = user
@@ -49,6 +52,7 @@ api = NinjaAPI(
     description="Operations console for coding agents. Errors: {\"error\": {\"code\", \"message\", \"detail\"}}.",
     urls_namespace="api",
     auth=[SessionCookieAuth(), TokenAuth()],
+    throttle=[CallerThrottle()],  # per caller; the daemon routes are mounted without it
 )
 
 
@@ -59,7 +63,10 @@ def error_response(request, code: str, message: str, status: int, detail: dict |
 
 @api.exception_handler(ApplicationError)
 def _application_error(request, exc: ApplicationError):
-    return error_response(request, exc.code, exc.message, exc.status, exc.detail)
+    response = error_response(request, exc.code, exc.message, exc.status, exc.detail)
+    if exc.status == 429 and exc.detail.get("retry_after_s"):
+        response["Retry-After"] = str(exc.detail["retry_after_s"])
+    return response
 
 
 @api.exception_handler(ValidationError)
@@ -69,6 +76,8 @@ def _validation_error(request, exc: ValidationError):
 
 @api.exception_handler(AuthenticationError)
 def _auth_error(request, exc):
+    if request.headers.get("Authorization"):
+        credential_failed(client_ident(request), bearer_of(request))  # a credential was presented; none held
     return error_response(request, "unauthorized", "authentication required (session cookie or Bearer token)", 401)
 
 
@@ -79,8 +88,10 @@ def _not_found(request, exc):
 
 @api.exception_handler(HttpError)
 def _http_error(request, exc: HttpError):
-    code = {400: "bad_request", 401: "unauthorized", 403: "forbidden", 404: "not_found"}.get(exc.status_code, "error")
-    return error_response(request, code, str(exc), exc.status_code)
+    code = {400: "bad_request", 401: "unauthorized", 403: "forbidden", 404: "not_found",
+            429: "throttled"}.get(exc.status_code, "error")
+    detail = {"retry_after_s": math.ceil(exc.wait)} if isinstance(exc, Throttled) and exc.wait else None
+    return error_response(request, code, str(exc), exc.status_code, detail)  # ninja adds Retry-After
 
 
 class ErrorBody(Schema):
@@ -182,7 +193,7 @@ def register_routers():
     api.add_router("/", sessions_router)
     api.add_router("/", executions_router)
     api.add_router("/", events_router)
-    api.add_router("/", daemon_router)
+    api.add_router("/", daemon_router, throttle=[])  # daemons: only their key check is throttled
 
 
 register_routers()

@@ -20,6 +20,7 @@ HTTP_STATUS = {
     "cursor_expired": 410,
     "payload_too_large": 413,
     "validation_error": 422,
+    "throttled": 429,
 }
 
 

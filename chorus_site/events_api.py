@@ -17,6 +17,7 @@ from .errors import ApplicationError
 from .events import events_after, parse_cursor
 from .live import follow
 from .permissions import has_ops_role
+from .throttling import client_ident, credential_failed, credential_gate
 from .tokens import token_authenticate
 
 router = Router(tags=["events"])
@@ -77,7 +78,11 @@ async def _stream_user(request):
     """
     header = request.headers.get("Authorization", "")
     if header[:7].lower() == "bearer ":
+        ident = client_ident(request)
+        credential_gate(ident, header[7:])  # 429 after too many failures
         user = await sync_to_async(token_authenticate)(header[7:])
+        if user is None:
+            credential_failed(ident, header[7:])
         return user, (Grant(user_id=user.pk, token=header[7:]) if user is not None else None)
     user = await request.auser()
     if not (user.is_authenticated and user.is_active):
@@ -86,7 +91,10 @@ async def _stream_user(request):
 
 
 def _error(exc: ApplicationError) -> JsonResponse:
-    return JsonResponse(exc.as_body(), status=exc.status)
+    response = JsonResponse(exc.as_body(), status=exc.status)
+    if exc.status == 429:
+        response["Retry-After"] = str(exc.detail.get("retry_after_s", 60))
+    return response
 
 
 async def _while_allowed(follower, grant: Grant):
@@ -136,7 +144,10 @@ def sse_frame(message: dict) -> str:
 
 
 async def _sse(request, kind: str, object_id: UUID, after: str | None):
-    user, grant = await _stream_user(request)
+    try:
+        user, grant = await _stream_user(request)
+    except ApplicationError as exc:
+        return _error(exc)
     if user is None:
         return _error(ApplicationError("unauthorized", "authentication required (session cookie or Bearer token)"))
     try:

@@ -10,11 +10,14 @@ in-memory channel layer and Celery tasks run in-process.  Production mode: set b
 from __future__ import annotations
 
 import os
+import re
 import secrets
+from datetime import timedelta
 from pathlib import Path
 from urllib.parse import parse_qsl, unquote, urlsplit
 
 from django.core.exceptions import ImproperlyConfigured
+from csp.constants import NONCE as CSP_NONCE
 
 from agents import protocol as _protocol
 
@@ -150,6 +153,9 @@ INSTALLED_APPS = [
     "django.contrib.messages",
     "django.contrib.staticfiles",
     "django_filters",
+    "ninja",  # only for its bundled Swagger UI assets: /api/v1/docs loads nothing from a CDN
+    "axes",  # admin login lockout (AXES_* below)
+    "csp",  # Content-Security-Policy nonces in templates (CONTENT_SECURITY_POLICY below)
     "channels",
     "chorus_site",
     "sessions_app",
@@ -165,7 +171,56 @@ MIDDLEWARE = [
     "django.contrib.auth.middleware.AuthenticationMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
+    "csp.middleware.CSPMiddleware",
+    "axes.middleware.AxesMiddleware",  # last: turns a lockout into its 429 answer
 ]
+
+# Content-Security-Policy (django-csp): scripts and styles only from this origin (the admin's and
+# ours are static files; Swagger UI is django-ninja's bundled copy), WebSockets to this origin
+# ('self' covers ws:/wss: of the same host), no framing, no plugins.  A template that truly needs
+# an inline script gives it nonce="{{ request.csp_nonce }}".
+CONTENT_SECURITY_POLICY = {
+    "DIRECTIVES": {
+        "default-src": ["'self'"],
+        "script-src": ["'self'", CSP_NONCE],  # the nonce is only sent when a template used it
+        "style-src": ["'self'"],
+        "img-src": ["'self'", "data:"],
+        "font-src": ["'self'", "data:"],
+        "connect-src": ["'self'"],
+        "object-src": ["'none'"],
+        "base-uri": ["'self'"],
+        "form-action": ["'self'"],
+        "frame-ancestors": ["'none'"],
+    },
+}
+
+# ---------------------------------------------------------------- brute force (issue 8 item 8)
+# Admin login: django-axes locks a username from one IP address out after AXES_FAILURE_LIMIT
+# failed logins, for AXES_COOLOFF_TIME (429 "Account locked"); a successful login resets the count.
+# An ops admin can unlock earlier: `manage.py axes_reset_username <name>` or the Axes admin pages.
+AUTHENTICATION_BACKENDS = ["axes.backends.AxesStandaloneBackend", "django.contrib.auth.backends.ModelBackend"]
+AXES_FAILURE_LIMIT = env_int("CHORUS_LOGIN_FAILURE_LIMIT", 5, minimum=1)
+AXES_COOLOFF_TIME = timedelta(minutes=env_int("CHORUS_LOGIN_COOLOFF_MINUTES", 15, minimum=1))
+AXES_LOCKOUT_PARAMETERS = [["username", "ip_address"]]
+AXES_RESET_ON_SUCCESS = True
+AXES_VERBOSE = False
+
+
+def env_rate(name: str, default: str) -> str:
+    """A throttle rate "<count>/<s|min|h|day>", e.g. "20/min"."""
+    value = env_str(name, default)
+    if not re.fullmatch(r"[1-9][0-9]*/(s|sec|m|min|h|hour|d|day)", value):
+        raise ImproperlyConfigured(f"{name}={value!r} is not a rate like 20/min")
+    return value
+
+
+# API: requests per authenticated caller (django-ninja throttling; 429 with Retry-After), and
+# failed credential checks (API tokens, task tokens, connection keys) per client address and
+# credential, and per address, after which checks are refused until the window passes
+# (chorus_site/throttling.py).
+CHORUS_API_RATE = env_rate("CHORUS_API_RATE", "1200/min")
+CHORUS_CREDENTIAL_FAILURE_RATE = env_rate("CHORUS_CREDENTIAL_FAILURE_RATE", "20/min")  # per address + credential
+CHORUS_ADDRESS_FAILURE_RATE = env_rate("CHORUS_ADDRESS_FAILURE_RATE", "100/min")  # per address
 
 ROOT_URLCONF = "chorus_site.urls"
 ASGI_APPLICATION = "chorus_site.asgi.application"

@@ -16,6 +16,7 @@ from chorus_site.audit import audit_record
 from chorus_site.errors import ApplicationError
 from chorus_site.idempotency import idempotent_call
 from chorus_site.redaction import ingest
+from chorus_site.throttling import client_ident, credential_gate
 
 from . import engine, selectors as sel, services
 from .api import ERRORS, router
@@ -25,6 +26,7 @@ from .task_tokens import attempt_for_task_token
 
 class TaskTokenAuth(HttpBearer):
     def authenticate(self, request, token):
+        credential_gate(client_ident(request), token)
         return attempt_for_task_token(token)
 
 

@@ -17,6 +17,7 @@ from agents import protocol
 
 from chorus_site.errors import ApplicationError
 from chorus_site.layer_health import LayerAwareConsumer, health
+from chorus_site.throttling import credential_failed, credential_gate
 
 from . import bridge, daemon_schemas
 
@@ -47,8 +48,16 @@ class DaemonConsumer(LayerAwareConsumer, AsyncWebsocketConsumer):
     poller = None
 
     async def connect(self):
-        connection = await database_sync_to_async(bridge.connection_authenticate)(_bearer(self.scope))
+        ident = str((self.scope.get("client") or ("unknown",))[0])
+        key = _bearer(self.scope)
+        try:
+            credential_gate(ident, key)
+        except ApplicationError:
+            await self.close(code=4429)  # too many failed key checks from this address: retry later
+            return
+        connection = await database_sync_to_async(bridge.connection_authenticate)(key)
         if connection is None:
+            credential_failed(ident, key)
             await self.close(code=4401)
             return
         self.connection_id = connection.pk

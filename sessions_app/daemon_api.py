@@ -8,14 +8,17 @@ from ninja import Router, Status
 from ninja.security import HttpBearer
 
 from chorus_site.api import ErrorBody
+from chorus_site.throttling import client_ident, credential_gate
 
 from . import bridge, daemon_schemas
 
-ERRORS = {400: ErrorBody, 401: ErrorBody, 404: ErrorBody, 409: ErrorBody, 413: ErrorBody, 422: ErrorBody}
+ERRORS = {400: ErrorBody, 401: ErrorBody, 404: ErrorBody, 409: ErrorBody, 413: ErrorBody, 422: ErrorBody,
+          429: ErrorBody}
 
 
 class ConnectionKeyAuth(HttpBearer):
     def authenticate(self, request, token):
+        credential_gate(client_ident(request), token)  # 429 after too many failures
         connection = bridge.connection_authenticate(token)
         if connection is not None:
             request.daemon_connection = connection

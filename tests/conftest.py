@@ -40,6 +40,16 @@ def _fast_password_hashing():
     override.disable()
 
 
+@pytest.fixture(autouse=True)
+def _fresh_throttles():
+    """Throttle counters (API callers, failed credentials) live in the local-memory cache: every
+    test starts with none, so one test's wrong tokens never turn another's 401 into a 429."""
+    from django.core.cache import cache
+
+    cache.clear()
+    yield
+
+
 def role_group(name: str) -> Group:
     """The role group made by the data migration (recreated if a transactional test flushed it)."""
     try:

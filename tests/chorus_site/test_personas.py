@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from django.test import RequestFactory
 from django.contrib.auth import authenticate
 
 from chorus_site import permissions
@@ -47,9 +48,10 @@ def test_persona_groups(outsider, viewer, operator, diagnostics_reader, ops_admi
 @pytest.mark.django_db
 def test_personas_log_in_with_the_shared_password(personas, persona_password):
     assert persona_password == PASSWORD == "pw-Chorus-123"
+    login = RequestFactory().post("/admin/login/")  # django-axes (login lockout) needs the request
     for user in personas.values():
-        assert authenticate(username=user.username, password=PASSWORD) == user
-        assert authenticate(username=user.username, password="wrong") is None
+        assert authenticate(login, username=user.username, password=PASSWORD) == user
+        assert authenticate(login, username=user.username, password="wrong") is None
 
 
 @pytest.mark.django_db(transaction=True)
