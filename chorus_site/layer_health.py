@@ -22,6 +22,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import uuid
+import weakref
 
 from channels.exceptions import StopConsumer
 from channels.layers import get_channel_layer
@@ -34,6 +36,8 @@ log = logging.getLogger(__name__)
 LAYER_LOST_CLOSE = 4503
 # Layer calls made on behalf of one client (join, leave) give up after this long.
 LAYER_CALL_TIMEOUT_S = 5.0
+# How often each process checks that Redis still holds what it held (see LayerHealth.watch).
+WATCH_S = 2.0
 
 
 class LayerHealth:
@@ -42,6 +46,7 @@ class LayerHealth:
     def __init__(self):
         self.generation = 0
         self._waiters: set[asyncio.Future] = set()
+        self._watchdogs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # loop -> (layer, task)
 
     def failed(self, error: BaseException | None, where: str) -> None:
         self.generation += 1
@@ -59,6 +64,44 @@ class LayerHealth:
         self._waiters.add(waiter)
         waiter.add_done_callback(self._waiters.discard)
         return waiter
+
+
+    def watch(self, layer) -> None:
+        """Start this event loop's watchdog of ``layer`` once (a Redis layer only).
+
+        A Redis that restarts between two reads, or is flushed, raises nothing anywhere: every
+        group is gone and every follower silently deaf.  The watchdog keeps a marker key in
+        Redis; when the marker changes or vanishes, Redis lost its data and ``failed()`` is
+        called, as for an error.
+        """
+        if not callable(getattr(layer, "connection", None)) or not getattr(layer, "hosts", None):
+            return  # the in-memory layer cannot lose its groups behind the process' back
+        loop = asyncio.get_running_loop()
+        watched, task = self._watchdogs.get(loop, (None, None))
+        if task is not None and not task.done():
+            if watched is layer:
+                return
+            task.cancel()  # the layer was replaced (settings changed): watch the new one
+        self._watchdogs[loop] = (layer, loop.create_task(self._watch(layer)))
+
+    async def _watch(self, layer) -> None:
+        key = f"{layer.prefix}:chorus-epoch"
+        mine, known = uuid.uuid4().hex, None
+        while True:
+            try:
+                redis = layer.connection(0)
+                created = await redis.set(key, mine, nx=True)  # the first process after a loss sets it
+                current = await redis.get(key)
+                if known is not None and (created or current != known):
+                    self.failed(RuntimeError("Redis lost its data (restarted or flushed)"), "watch")
+                known = current
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                if known is not None:
+                    self.failed(exc, "watch")
+                known = None  # whoever joins after Redis is back joins the new one
+            await asyncio.sleep(WATCH_S)
 
 
 def _resolve(waiter: asyncio.Future, generation: int) -> None:
@@ -132,6 +175,7 @@ class LayerAwareConsumer:
         self.base_send = send
         sources = [receive]
         if self.channel_layer is not None:
+            health.watch(self.channel_layer)
             self.channel_name = await self.channel_layer.new_channel()
             self.channel_receive = self._layer_receive
             sources.append(self._layer_receive)

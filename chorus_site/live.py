@@ -86,6 +86,7 @@ async def follow(stream: str, cursor: int | None, *, heartbeat_s: float, poll_s:
     layer = get_channel_layer()
     channel = await layer.new_channel()
     group = stream_group(stream)
+    health.watch(layer)
     generation = health.generation
     # Subscribe first: nothing committed after this is missed.
     joined = await layer_call(layer.group_add(group, channel), "group_add")

@@ -115,6 +115,21 @@ async def test_live_socket_closes_when_redis_dies_and_a_new_one_resumes_from_its
     assert stored == seen  # every event once, in order
 
 
+async def test_live_socket_closes_when_redis_loses_its_data_without_any_error(layer_on_own_redis, viewer):
+    """FLUSHALL (or a restart between two reads): no call fails, yet every group is gone."""
+    redis = layer_on_own_redis
+    session = await sync_to_async(factories.make_session)()
+    seen: list[int] = []
+    communicator = await live_socket(viewer, session.stream, after=0)
+    first = await sync_to_async(event_append)(stream=session.stream, kind="test.n", data={"n": 1})
+    reading = asyncio.ensure_future(read_until_closed(communicator, seen))
+    await until(lambda: first.id in seen, "the first event live")
+    await sync_to_async(redis.client().flushall)()
+    code = await asyncio.wait_for(reading, timeout=TIMEOUT)
+    assert code == LAYER_LOST_CLOSE
+    await communicator.disconnect()
+
+
 async def test_daemon_consumer_keeps_serving_while_redis_is_down_and_is_woken_again_after(layer_on_own_redis):
     redis = layer_on_own_redis
     connection, key = await sync_to_async(services.connection_register)(name="layer-daemon", backend="scripted",

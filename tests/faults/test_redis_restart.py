@@ -141,6 +141,8 @@ def test_redis_restarted_empty_twice_under_load_loses_nothing(fault_stack, opera
     assert ws.errors == []
     assert offline_settled() == [], "a live turn was settled offline during the Redis outage"
     assert Turn.objects.filter(session_id__in=sessions).exclude(status="ended").count() == 0
+    replies = sorted(Turn.objects.filter(session_id__in=sessions).values_list("final_reply", flat=True))
+    assert replies == ["first"] * SESSIONS + ["second"] * SESSIONS  # every end report landed
     assert watch.statuses == {"online"}, watch.statuses
     assert watch.max_heartbeat_age < protocol.HEARTBEAT_TIMEOUT_S, f"daemon heartbeat age {watch.max_heartbeat_age:.1f}s"
 
