@@ -221,6 +221,9 @@ def env_rate(name: str, default: str) -> str:
 CHORUS_API_RATE = env_rate("CHORUS_API_RATE", "1200/min")
 CHORUS_CREDENTIAL_FAILURE_RATE = env_rate("CHORUS_CREDENTIAL_FAILURE_RATE", "20/min")  # per address + credential
 CHORUS_ADDRESS_FAILURE_RATE = env_rate("CHORUS_ADDRESS_FAILURE_RATE", "100/min")  # per address
+# The client address is REMOTE_ADDR only: an X-Forwarded-For header is the client's to forge
+# (it would dodge every counter). Behind a proxy, daphne's --proxy-headers sets REMOTE_ADDR.
+NINJA_NUM_PROXIES = 0
 
 ROOT_URLCONF = "chorus_site.urls"
 ASGI_APPLICATION = "chorus_site.asgi.application"

@@ -77,6 +77,13 @@ def test_wrong_bearer_secrets_are_throttled_per_address_even_for_the_right_token
     assert _get("/api/v1/sessions", raw, ip="10.0.0.9").status_code == 200  # another address is not blocked
 
 
+def test_a_forged_forwarded_for_header_does_not_dodge_the_counter(viewer):
+    statuses = [Client(REMOTE_ADDR="10.0.0.7").get("/api/v1/sessions", HTTP_AUTHORIZATION="Bearer cho_abc_wrong",
+                                                   HTTP_X_FORWARDED_FOR=f"192.0.2.{n}").status_code
+                for n in range(30)]
+    assert statuses[-1] == 429
+
+
 def test_many_different_wrong_credentials_from_one_address_are_throttled(viewer):
     _token, raw = token_create(user=viewer, name="real")
     statuses = [_get("/api/v1/sessions", f"cho_guess{n}_secret{n}", ip="10.0.0.6").status_code for n in range(300)]
