@@ -385,5 +385,6 @@ LOGGING = {
     "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s: %(message)s"}},
     "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
     "root": {"handlers": ["console"], "level": env_str("CHORUS_LOG_LEVEL", "INFO")},
-    "loggers": {"django.channels.server": {"level": "WARNING"}, "celery.app.trace": {"level": "WARNING"}},
+    "loggers": {"django.channels.server": {"level": "WARNING"}, "celery.app.trace": {"level": "WARNING"},
+                "axes": {"level": "WARNING"}},
 }

@@ -233,6 +233,7 @@ def artifact_add(*, issue_id, kind: str, name: str, content: str, run_id=None, a
         if run_id or attempt_id:
             # Its run's lock first, as the tick takes it (lock order in chorus_site/transitions.py).
             run_lock(run_id or _run_id_of(Attempt, attempt_id))
+            _artifact_scope_check(issue_id=issue_id, run_id=run_id, attempt_id=attempt_id)
         artifact = Artifact.objects.create(issue_id=issue_id, run_id=run_id, attempt_id=attempt_id, kind=kind,
                                            name=name, content=content, sha256=hashlib.sha256(raw).hexdigest(),
                                            size=len(raw))
@@ -240,6 +241,22 @@ def artifact_add(*, issue_id, kind: str, name: str, content: str, run_id=None, a
             event_append(stream=f"run:{run_id}", kind="artifact.added",
                          data={"id": str(artifact.id), "name": name, "kind": kind})
     return artifact
+
+
+def _artifact_scope_check(*, issue_id, run_id, attempt_id) -> None:
+    """An artifact's run belongs to its issue, and its attempt to that run: no cross-issue links."""
+    if attempt_id:
+        attempt_run = _run_id_of(Attempt, attempt_id)
+        if run_id and str(attempt_run) != str(run_id):
+            raise ApplicationError("bad_request", "the attempt does not belong to this run",
+                                   {"attempt": str(attempt_id), "run": str(run_id)})
+        run_id = attempt_run
+    run_issue = Run.objects.filter(pk=run_id).values_list("issue_id", flat=True).first()
+    if run_issue is None:
+        raise ApplicationError("not_found", f"run {run_id} does not exist")
+    if str(run_issue) != str(issue_id):
+        raise ApplicationError("bad_request", "the run does not belong to this issue",
+                               {"run": str(run_id), "issue": str(issue_id)})
 
 
 # ---------------------------------------------------------------- tasks

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import posixpath
 import re
 import secrets
 
@@ -81,9 +82,12 @@ def connection_set_status(*, connection_id, status: str, actor=None, **updates) 
 
 # ---------------------------------------------------------------- sessions
 def cwd_allowed(connection: Connection, cwd: str) -> bool:
-    cwd = cwd.rstrip("/") or "/"
+    """Inside one of the connection's roots, after ``..`` and ``.`` are resolved (``<root>/../etc`` is not)."""
+    if not cwd.startswith("/"):
+        return False
+    cwd = posixpath.normpath(cwd).rstrip("/") or "/"
     for root in connection.cwds:
-        root = root.rstrip("/") or "/"
+        root = posixpath.normpath(root).rstrip("/") or "/"
         if cwd == root or cwd.startswith(root + "/") or root == "/":
             return True
     return False
