@@ -22,8 +22,11 @@ from django.db import transaction
 log = logging.getLogger(__name__)
 
 
-def enqueue(task, *, args=(), countdown: float | None = None) -> bool:
-    """Send ``task(*args)`` now; False (logged) if the broker refused — the sweep recovers it."""
+def enqueue(task, *, args=(), countdown: float | None = None, expires: float | None = None) -> bool:
+    """Send ``task(*args)`` now; False (logged) if the broker refused — the sweep recovers it.
+
+    ``expires``: a message still queued that many seconds later is dropped by the worker unrun.
+    """
     try:
         if countdown and settings.CELERY_TASK_ALWAYS_EAGER:
             timer = threading.Timer(countdown, _apply_logged, args=(task, tuple(args)))
@@ -32,7 +35,7 @@ def enqueue(task, *, args=(), countdown: float | None = None) -> bool:
         elif settings.CELERY_TASK_ALWAYS_EAGER:
             _apply_logged(task, tuple(args))
         else:
-            task.apply_async(args=tuple(args), countdown=countdown)
+            task.apply_async(args=tuple(args), countdown=countdown, expires=expires)
     except Exception:  # broker down, connection reset: the committed state is recovered by the sweep
         log.warning("could not enqueue %s%r; the periodic sweep recovers it from the database", task.name,
                     tuple(args), exc_info=True)

@@ -358,10 +358,15 @@ CELERY_BROKER_TRANSPORT_OPTIONS.update({
 # Keep reconnecting however long Redis is away (the default gives up after 100 attempts and the
 # worker exits); the supervisor (docs/deployment.md) restarts a worker that dies anyway.
 CELERY_BROKER_CONNECTION_MAX_RETRIES = None
+# A sweep not run within a minute is superseded by a later one: a worker back after an outage (or a
+# backlog) runs the latest sweeps, not every one beat sent meanwhile.
+CHORUS_SWEEP_EXPIRES_S = 60
 CELERY_BEAT_SCHEDULE = {
     "purge-expired-events": {"task": "chorus_site.tasks.events_purge_expired", "schedule": 3600.0},
-    "sweep-stale-connections": {"task": "sessions_app.tasks.connections_sweep", "schedule": 5.0},
-    "tick-waiting-runs": {"task": "executions.tasks.runs_tick_waiting", "schedule": 5.0},
+    "sweep-stale-connections": {"task": "sessions_app.tasks.connections_sweep", "schedule": 5.0,
+                                "options": {"expires": CHORUS_SWEEP_EXPIRES_S}},
+    "tick-waiting-runs": {"task": "executions.tasks.runs_tick_waiting", "schedule": 5.0,
+                          "options": {"expires": CHORUS_SWEEP_EXPIRES_S}},
 }
 
 # ---------------------------------------------------------------- chorus

@@ -19,6 +19,8 @@ def runs_tick_waiting() -> int:
     """Periodic: every run whose rows say it needs a tick gets one (waiting runs whose cause may have
     cleared, and any tick whose message was lost).  One task per run: one failing run does not keep
     the others from theirs, and the ticks spread over the workers."""
+    from django.conf import settings
+
     from chorus_site.scheduling import enqueue
 
     from .recovery import runs_needing_a_tick
@@ -28,4 +30,7 @@ def runs_tick_waiting() -> int:
     except Exception:
         log.exception("could not find the runs needing a tick; the next beat retries")
         return 0
-    return sum(enqueue(run_tick, args=[run_id]) for run_id in run_ids)
+    # A tick still queued when a later sweep has asked again is dropped unrun (the later one does
+    # the work), so a slow or returning worker does not face every tick every sweep ever asked for.
+    expires = settings.CHORUS_SWEEP_EXPIRES_S
+    return sum(enqueue(run_tick, args=[run_id], expires=expires) for run_id in run_ids)
