@@ -358,8 +358,11 @@ def clean_text(text: str) -> str:
     return _UNSTORABLE.sub(REPLACEMENT, text) if _UNSTORABLE.search(text) else text
 
 
-def _secret_key(key) -> bool:
-    return isinstance(key, str) and bool(re.fullmatch(_SECRET_NAME, key, re.I)) and _is_secret_name(key)
+def _secret_key(key, item) -> bool:
+    """A value under a key named like a secret (a bare "key" only with a credential-like value:
+    ``{"key": "docs"}`` names a node, ``{"key": 4711}`` an id)."""
+    return (isinstance(key, str) and bool(re.fullmatch(_SECRET_NAME, key, re.I))
+            and _secret_value(key, item if isinstance(item, str) else str(item)))
 
 
 def redact_structure(value, *, text=None):
@@ -375,7 +378,7 @@ def redact_structure(value, *, text=None):
         out = {}
         for key, item in value.items():
             key = clean_text(key) if isinstance(key, str) else key
-            if _secret_key(key) and isinstance(item, (str, int)) and not isinstance(item, bool) \
+            if isinstance(item, (str, int)) and not isinstance(item, bool) and _secret_key(key, item) \
                     and not (isinstance(item, str) and _no_secret(item)):
                 out[key] = MASK
             else:

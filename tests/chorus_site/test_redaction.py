@@ -346,6 +346,8 @@ def test_ordinary_data_is_not_altered():
         "keyboard": "us",
         "flag": True,
         "nothing": None,
+        "nodes": [{"key": "docs", "prompt": "write the docs"}, {"key": 4711}],
+        "idempotency_key": "answer-3f2504e0-4f89-11d3-9a0c-0305e82c3301",
     }
     assert redact_data(data) == data
 
