@@ -67,7 +67,7 @@ _WORD_SPLIT = re.compile(r"[_.\-]+|(?<=[a-z0-9])(?=[A-Z])")
 # Placeholders, not values: $VAR, ${VAR}, {{ var }}, %VAR%, <token>, cho_..., ****, xxxx (as gitleaks'
 # global allowlist has them).
 _PLACEHOLDER = re.compile(r"\$\{?[A-Za-z_][A-Za-z0-9_]*\}?|\{\{.*\}\}|%[A-Za-z_]+%|<[^<>]+>|.*(?:\.\.\.|…)|\*+|[xX]+|"
-                          r"\[REDACTED\].*|(?i:pass|password|passwd|secret|changeme|your[_-]?password)")
+                          r"\[REDACTED\].*|\$\(.*\)|(?i:pass|password|passwd|secret|changeme|your[_-]?password)")
 
 
 def _words(name: str) -> list[str]:
@@ -99,6 +99,8 @@ def _secret_value(name: str, value: str) -> bool:
     words = _words(name)
     if words[-1] == "key" and len(words) > 1 and words[-2] in _NOT_SECRET_KEY_WORDS:
         return False
+    if words[-1] == "key" and re.fullmatch(r"\d+[/.:,][\d/.:,]{0,10}", value):
+        return False  # a count or a ratio ("generic-api-key: 14/62"): no key is that
     if words[-1] == "key" and len(words) == 1:
         return (len(value) >= 16 and any(c.isdigit() for c in value) and any(c.isalpha() for c in value)
                 and entropy(value) >= 3.5)

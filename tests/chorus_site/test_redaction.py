@@ -328,6 +328,8 @@ ORDINARY = [
     "The run's failure is `node_failed` with one `key: message` per failed node.",
     '{"type":"text","text":"step 1\\nDone\\nPASSED"}',
     "Response headers:\n  Idempotency-Key: enforce-limit-1\n  Content-Type: application/json",
+    'export CHORUS_DAEMON_KEY="$(cat /etc/chorus/daemon.key)"   # or a chmod 600 config file',
+    "gitleaks without generic-api-key: 14/62 detected, 0 false positives",
 ]
 
 
