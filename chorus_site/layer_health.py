@@ -65,14 +65,13 @@ class LayerHealth:
         waiter.add_done_callback(self._waiters.discard)
         return waiter
 
-
     def watch(self, layer) -> None:
         """Start this event loop's watchdog of ``layer`` once (a Redis layer only).
 
         A Redis that restarts between two reads, or is flushed, raises nothing anywhere: every
         group is gone and every follower silently deaf.  The watchdog keeps a marker key in
         Redis; when the marker changes or vanishes, Redis lost its data and ``failed()`` is
-        called, as for an error.
+        called, as for an error.  (With a sharded layer only the first host is watched.)
         """
         if not callable(getattr(layer, "connection", None)) or not getattr(layer, "hosts", None):
             return  # the in-memory layer cannot lose its groups behind the process' back

@@ -22,7 +22,7 @@ from django.utils import timezone
 from agents import protocol
 from chorus_site.consumers import LiveConsumer
 from chorus_site.events import event_append
-from chorus_site.layer_health import LAYER_LOST_CLOSE
+from chorus_site.layer_health import LAYER_LOST_CLOSE, health
 from chorus_site.live import follow
 from chorus_site.settings import _layer_redis
 from sessions_app import bridge, services
@@ -141,9 +141,10 @@ async def test_daemon_consumer_keeps_serving_while_redis_is_down_and_is_woken_ag
     welcome = await communicator.receive_json_from(timeout=TIMEOUT)
     assert welcome["type"] == protocol.WELCOME
 
+    generation = health.generation
     await sync_to_async(redis.kill)()
     # The consumer's layer receive fails now; its socket must still be served from the database.
-    await asyncio.sleep(0.5)  # let the broken receive be noticed (the fault, not a wait for a result)
+    await until(lambda: health.generation > generation, "the broken layer to be noticed")
     before = timezone.now()
     await communicator.send_json_to({"type": protocol.HEARTBEAT})
 
