@@ -111,6 +111,7 @@ class TurnSummary:
         self.requires_action: dict | None = None
         self.outcome: dict | None = None
         self.auth_error: str | None = None
+        self.fatal_error: dict | None = None
         self.count = 0
 
     def add(self, event: p.AgentEvent) -> None:
@@ -133,8 +134,11 @@ class TurnSummary:
             self.requires_action = {"kind": data.get("kind") or "confirmation", "items": list(data.get("items") or [])}
         elif event.kind == p.EV_OUTCOME:
             self.outcome = dict(data)
-        elif event.kind == p.EV_ERROR and data.get("kind") == "auth":
-            self.auth_error = str(data.get("message") or "")
+        elif event.kind == p.EV_ERROR:
+            if data.get("kind") == "auth":
+                self.auth_error = str(data.get("message") or "")
+            if data.get("fatal"):  # the CLI said the turn failed (it may still exit 0)
+                self.fatal_error = dict(data)
 
 
 class TurnRunner:
@@ -400,7 +404,7 @@ class TurnRunner:
             log.warning("turn %s: the agent left %d process(es) running: %s", self.turn, len(leftovers),
                         [r.pid for r in leftovers])
         common["background_processes"] = [r.as_report() for r in leftovers] or None
-        if returncode == 0:
+        if returncode == 0 and summary.fatal_error is None:
             if summary.requires_action is not None:
                 # Sent once: at exit if the agent exited right after asking (the usual case).
                 self._advance(p.REQUIRES_ACTION, requires_action=summary.requires_action, **common)
@@ -409,12 +413,20 @@ class TurnRunner:
             return
         kind, text = self._classify_failure(returncode)
         self._fail("crash", kind, text, details=agent.diagnostics(),
-                   exit_code=returncode if returncode > 0 else None,
+                   exit_code=returncode if returncode >= 0 else None,
                    signal=_signal_name(-returncode) if returncode < 0 else None, **common)
 
     def _classify_failure(self, returncode: int) -> tuple[str, str]:
         hint = _last_line(self.agent.stderr_tail.text()) or _last_line(self.agent.stdout_tail.text())
         name = self.backend_name
+        try:  # the backend knows its CLI's words for a failure (a refused key, an unknown session)
+            failure = getattr(self.backend, "failure", None)
+            told = failure(list(self._recent), returncode, self.agent.stderr_tail.text()) if failure else None
+        except Exception:  # noqa: BLE001
+            log.exception("turn %s: backend failure() failed", self.turn)
+            told = None
+        if told and returncode >= 0:
+            return told
         if returncode < 0:
             return "signal", f"{name} was killed by {_signal_name(-returncode)}" + (f": {hint}" if hint else "")
         if self.summary.auth_error is not None:

@@ -14,7 +14,9 @@ Contract of the parsed events (``agents.protocol.EV_*``):
 * ``EV_FINAL`` is the final reply; when a CLI does not print one, ``finish`` derives it after
   the process has exited from the events seen. ``parse_output`` = every line + ``finish``.
 * ``EV_ERROR`` data may carry ``kind: "auth"`` when the message reads like missing credentials
-  (a hint for the wake error kind of SPEC §3.1).
+  (a hint for the wake error kind of SPEC §3.1), and ``fatal: True`` when the CLI said the turn
+  failed (Claude's ``result`` with ``is_error``, Codex's ``turn.failed``) — the daemon then reports
+  a crash even if the CLI exits 0 — with ``cause``: the reason in an operator's words.
 """
 
 from __future__ import annotations
@@ -112,6 +114,16 @@ class Backend:
         """
         return False
 
+    def failure(self, events: list[AgentEvent], returncode: int, stderr: str) -> tuple[str, str] | None:
+        """The wake error (kind, summary) a failed run amounts to, in an operator's words, from the
+        events the CLI printed and its stderr tail; None: the daemon's generic classification."""
+        fatal = [e for e in events if e.kind == EV_ERROR and e.data.get("fatal")]
+        if not fatal:
+            return None
+        data = fatal[-1].data
+        kind = "auth" if data.get("kind") == "auth" else "exited_nonzero"
+        return kind, str(data.get("cause") or data.get("message") or "the backend reported an error")
+
     # ------------------------------------------------------------------ parsing
     def parse_line(self, line: str | bytes) -> list[AgentEvent]:
         try:
@@ -178,6 +190,27 @@ def error_event(message: Any, **extra) -> AgentEvent:
     if "kind" not in data and AUTH_RE.search(text):
         data["kind"] = "auth"
     return AgentEvent(EV_ERROR, data)
+
+
+# What a model API's HTTP status means to an operator (both CLIs print the status they got).
+STATUS_CAUSES = {
+    401: "the model API rejected the API key (401 unauthorized): check the key the daemon passes",
+    403: "the model API refused access (403 forbidden): check the key's permissions",
+    429: "the model API is rate-limiting requests (429): wait or raise the limit",
+    500: "the model API failed (500 server error)",
+    502: "the model API or its gateway failed (502)",
+    503: "the model API is unavailable (503)",
+    529: "the model is overloaded (529): try again later",
+}
+UNREACHABLE_CAUSE = "the model API cannot be reached (connection refused or no network): check the base URL"
+
+
+def status_cause(status: Any, fallback: str = "") -> str:
+    try:
+        code = int(status)
+    except (TypeError, ValueError):
+        return fallback
+    return STATUS_CAUSES.get(code, f"the model API answered HTTP {code}")
 
 
 def first(mapping: Any, *keys: str) -> Any:

@@ -18,11 +18,31 @@ is one JSON message:
   ``requires_action`` (confirmation): the operator's answer arrives as a resumed turn, typically
   together with a wider ``--permission-mode``/``--allowedTools`` in CHORUS_CLAUDE_CODE_ARGS.
 
-No protocol stop in this mode: SIGINT ends the run (the session so far is kept on disk).
+Observed with 2.1.328 against tests/model_standin.py (docs/daemon-backends.md has the table):
+
+* ``system`` / ``api_retry`` {attempt, max_retries, retry_delay_ms, error_status, error}: the CLI
+  retries a failed API call itself (10 times by default, ``CLAUDE_CODE_MAX_RETRIES``), also a 401;
+  shown as progress "retrying: authentication failed (attempt 4 of 10, next in 9 s)";
+* after the retries an ``assistant`` message with ``error``, ``api_error_status`` and the CLI's
+  text, then ``result`` with ``subtype: success`` but ``is_error: true``, ``terminal_reason:
+  api_error``; exit code 1. A connection refused has ``api_error_status: null``;
+* ``system`` / ``permission_denied`` {tool_name, message} when the permission mode refuses a tool
+  (the model is told and goes on; the ``result`` lists it in ``permission_denials``);
+* ``--resume <unknown id>``: only a ``result`` (``error_during_execution``, ``errors: ["No
+  conversation found with session ID: …"]``), exit 1;
+* SIGINT mid-stream: the partial text as an ``assistant`` message, ``[Request interrupted by
+  user]``, a ``result`` with ``is_error`` and ``terminal_reason: aborted_streaming``; exit 0 within
+  ~0.2 s; no helper process left. The session (with the partial reply) is kept for ``--resume``.
+
+The daemon's environment reaches the CLI: ``ANTHROPIC_BASE_URL`` (a company gateway, or the
+stand-in), ``ANTHROPIC_API_KEY``, ``HOME`` / ``CLAUDE_CONFIG_DIR`` (where sessions live:
+``~/.claude/projects/<cwd>/<session id>.jsonl``). The adapter sets ``DISABLE_AUTOUPDATER=1``
+unless the environment says otherwise: a daemon's CLI must not replace itself between turns.
 """
 
 from __future__ import annotations
 
+import re
 import shlex
 from collections.abc import Mapping
 
@@ -37,7 +57,9 @@ from agents.protocol import (
     AgentEvent,
 )
 
-from .base import Backend, LaunchSpec, error_event, normalise_usage, summarise
+from .base import UNREACHABLE_CAUSE, Backend, LaunchSpec, error_event, normalise_usage, status_cause, summarise
+
+UNKNOWN_SESSION_RE = re.compile(r"No conversation found with session ID:?\s*(\S+)", re.IGNORECASE)
 
 
 class ClaudeCodeBackend(Backend):
@@ -49,7 +71,9 @@ class ClaudeCodeBackend(Backend):
         argv = [self.executable, "-p", "--output-format", "stream-json", "--verbose"]
         if backend_session_id:
             argv += ["--resume", backend_session_id]
-        return LaunchSpec(argv=argv + self.extra_args, stdin=prompt, env=dict(env), cwd=cwd)
+        extra = {} if "DISABLE_AUTOUPDATER" in self.environ or "DISABLE_AUTOUPDATER" in env \
+            else {"DISABLE_AUTOUPDATER": "1"}
+        return LaunchSpec(argv=argv + self.extra_args, stdin=prompt, env={**extra, **dict(env)}, cwd=cwd)
 
     def takeover_command(self, backend_session_id: str | None, cwd: str) -> str | None:
         return f"claude --resume {shlex.quote(backend_session_id)}" if backend_session_id else None
@@ -60,6 +84,11 @@ class ClaudeCodeBackend(Backend):
             if obj.get("subtype") == "init" and obj.get("session_id"):
                 return [AgentEvent(EV_SESSION, {"id": str(obj["session_id"])}),
                         AgentEvent(EV_PROGRESS, {"message": "session started", "model": obj.get("model")})]
+            if obj.get("subtype") == "api_retry":
+                return [retry_progress(obj)]
+            if obj.get("subtype") == "permission_denied":
+                return [AgentEvent(EV_PROGRESS, {"message": f"permission denied: {obj.get('tool_name') or 'tool'}",
+                                                 "detail": summarise(obj.get("message") or "", 300)})]
             return [AgentEvent(EV_PROGRESS, {"message": f"system: {obj.get('subtype') or 'event'}"})]
         if kind == "assistant":
             return self._assistant(obj)
@@ -87,7 +116,10 @@ class ClaudeCodeBackend(Backend):
                 events.append(AgentEvent(EV_TOOL, data))
         if obj.get("error"):
             said = " ".join(e.data["text"] for e in events if e.kind == EV_TEXT)
-            hint = {"kind": "auth"} if "auth" in str(obj["error"]) else {}
+            hint = {"kind": "auth"} if "auth" in str(obj["error"]) or obj.get("api_error_status") in (401, 403) else {}
+            if obj.get("is_api_error_message"):  # the CLI's own words about a failed API call, not a reply
+                events = [e for e in events if e.kind != EV_TEXT]
+                events.append(AgentEvent(EV_PROGRESS, {"message": f"API error: {said}"[:300]}))
             events.append(error_event(f"{obj['error']}: {said}".rstrip(": "), **hint))
         return events
 
@@ -106,7 +138,44 @@ class ClaudeCodeBackend(Backend):
             events.append(AgentEvent(EV_REQUIRES_ACTION, {"kind": "confirmation", "items": items}))
         text = obj.get("result")
         if obj.get("is_error") or obj.get("subtype", "success") != "success":
-            events.append(error_event(text or obj.get("subtype") or "error", subtype=obj.get("subtype")))
+            errors = [str(e) for e in obj.get("errors") or [] if e]
+            message = text or "; ".join(errors) or obj.get("subtype") or "error"
+            events.append(error_event(message, subtype=obj.get("subtype"), fatal=True,
+                                      cause=result_cause(obj, message, errors),
+                                      terminal_reason=obj.get("terminal_reason"),
+                                      **({"kind": "auth"} if obj.get("api_error_status") in (401, 403) else {})))
         elif isinstance(text, str):
             events.append(AgentEvent(EV_FINAL, {"text": text}))
         return events
+
+
+def result_cause(obj: dict, message: str, errors: list[str]) -> str:
+    """Why a Claude Code run failed, in an operator's words (the CLI's own text follows)."""
+    unknown = next((m for m in map(UNKNOWN_SESSION_RE.search, errors + [message]) if m), None)
+    if unknown:
+        return (f"Claude Code has no conversation {unknown.group(1)} on this machine (its session files are "
+                f"under ~/.claude/projects/ of the daemon's user): hand the work off to a new session")
+    if obj.get("terminal_reason") == "api_error":
+        status = obj.get("api_error_status")
+        cause = status_cause(status, UNREACHABLE_CAUSE if "connect" in message.lower() or "ECONN" in message
+                             else "the model API call failed")
+        return f"{cause} — Claude Code: {message}"[:300]
+    if obj.get("terminal_reason") == "aborted_streaming":
+        return "Claude Code was interrupted mid-reply"
+    return f"Claude Code reported an error ({obj.get('subtype') or 'error'}): {message}"[:300]
+
+
+def retry_progress(obj: dict) -> AgentEvent:
+    """``system/api_retry`` as a progress line an operator reads: what failed and when the next try is."""
+    error = str(obj.get("error") or "error").replace("_", " ")
+    if obj.get("error_status"):
+        error += f" ({obj['error_status']})"
+    attempt, most = obj.get("attempt"), obj.get("max_retries")
+    try:
+        delay = f", next in {max(0.0, float(obj.get('retry_delay_ms') or 0) / 1000):.0f} s"
+    except (TypeError, ValueError):
+        delay = ""
+    of = f"attempt {attempt} of {most}" if attempt and most else f"attempt {attempt or '?'}"
+    return AgentEvent(EV_PROGRESS, {"message": f"retrying: {error} ({of}{delay})", "retry": {
+        "attempt": attempt, "max_retries": most, "retry_delay_ms": obj.get("retry_delay_ms"),
+        "error_status": obj.get("error_status"), "error": obj.get("error")}})

@@ -19,6 +19,27 @@ stdout line is one event:
 Codex prints no separate final reply: after ``turn.completed`` the last agent message is the
 final reply (``finish``). ``input`` usage excludes the cached part (Codex counts it inside
 ``input_tokens``). No protocol stop in exec mode: SIGINT ends the run.
+
+Observed with 0.169.0 against tests/model_standin.py (docs/daemon-backends.md has the table):
+
+* the provider comes from ``$CODEX_HOME/config.toml`` (``model_provider`` and a
+  ``[model_providers.<name>]`` table with ``base_url``, ``wire_api = "responses"``, ``env_key``):
+  the same mechanism points Codex at a company gateway;
+* the model's tools are ``exec_command`` {cmd} (shell, in the ``workspace-write`` sandbox) and,
+  for known model names, a freeform ``apply_patch`` custom tool; both show as items
+  (``command_execution``, ``file_change``);
+* an unknown model name prints an ``error`` *item* ("Model metadata for … not found") and goes
+  on: a warning, not a failure;
+* a refused API call: ``error`` "Reconnecting... 1/N (…)" per retry (``request_max_retries``),
+  then ``error`` and ``turn.failed`` {error: {message: "unexpected status 401 Unauthorized: …"}},
+  exit 1; a refused connection retries for ever ("Reconnecting... waiting for network") with a
+  growing delay — the operator's stop ends it;
+* ``exec resume <unknown id>``: nothing on stdout, ``Error: thread/resume: … no rollout found for
+  thread id …`` on stderr, exit 1;
+* SIGINT mid-stream: exit 1 at once, nothing printed after ``turn.started`` (a partial reply is
+  lost; the thread id of ``thread.started`` stays valid for ``exec resume``). ``codex`` from npm is
+  a Node launcher that forwards SIGINT/SIGTERM/SIGHUP to the native binary;
+* ``turn.completed`` usage on a resumed thread is the thread's running total, not the turn's.
 """
 
 from __future__ import annotations
@@ -29,9 +50,24 @@ from collections.abc import Mapping
 
 from agents.protocol import EV_FINAL, EV_PROGRESS, EV_SESSION, EV_TEXT, EV_TOOL, EV_USAGE, AgentEvent
 
-from .base import Backend, LaunchSpec, as_int, error_event, first, last_text, summarise
+from .base import (
+    UNREACHABLE_CAUSE,
+    Backend,
+    LaunchSpec,
+    as_int,
+    error_event,
+    first,
+    last_text,
+    status_cause,
+    summarise,
+)
 
 TRANSIENT_RE = re.compile(r"reconnecting|retrying|stream disconnected", re.IGNORECASE)
+STATUS_RE = re.compile(r"(?:unexpected status|last status:?)\s*(\d{3})", re.IGNORECASE)
+UNREACHABLE_RE = re.compile(r"connection failed|error sending request|connection refused|waiting for network",
+                            re.IGNORECASE)
+NO_THREAD_RE = re.compile(r"no rollout found for thread id\s*(\S+)", re.IGNORECASE)
+WARNING_ITEM_RE = re.compile(r"model metadata for .* not found", re.IGNORECASE)
 
 
 class CodexBackend(Backend):
@@ -65,11 +101,12 @@ class CodexBackend(Backend):
                                                        "cache_read": cached, "cache_write": 0}))
             return events
         if kind == "turn.failed":
-            return [error_event(first(obj.get("error"), "message") or "turn failed")]
+            message = str(first(obj.get("error"), "message") or "turn failed")
+            return [error_event(message, fatal=True, cause=failed_cause(message))]
         if kind == "error":
             message = str(obj.get("message") or "error")
             if TRANSIENT_RE.search(message):
-                return [AgentEvent(EV_PROGRESS, {"message": message})]
+                return [AgentEvent(EV_PROGRESS, {"message": f"retrying: {message}"[:300], "retry": {"error": message}})]
             return [error_event(message)]
         if kind in ("item.started", "item.completed") and isinstance(obj.get("item"), Mapping):
             return self._item(obj["item"], completed=kind == "item.completed")
@@ -102,8 +139,18 @@ class CodexBackend(Backend):
         if kind == "todo_list":
             return [AgentEvent(EV_PROGRESS, {"message": "plan updated", "items": summarise(item.get("items") or [])})]
         if kind == "error":
+            if WARNING_ITEM_RE.search(str(item.get("message") or "")):
+                return [AgentEvent(EV_PROGRESS, {"message": f"warning: {summarise(item.get('message'), 200)}"})]
             return [error_event(item.get("message") or "error", item=True)]
         return []  # reasoning and anything newer
+
+    def failure(self, events, returncode, stderr):
+        missing = NO_THREAD_RE.search(stderr or "")
+        if missing:
+            return "exited_nonzero", (f"Codex has no thread {missing.group(1)} on this machine (its sessions are "
+                                      f"under $CODEX_HOME/sessions/ of the daemon's user): hand the work off to a "
+                                      f"new session")
+        return super().failure(events, returncode, stderr)
 
     def finish(self, events: list[AgentEvent]) -> list[AgentEvent]:
         if any(e.kind == EV_FINAL for e in events):
@@ -113,3 +160,17 @@ class CodexBackend(Backend):
         text = last_text(events)
         return [AgentEvent(EV_FINAL, {"text": text})] if text is not None else []
 
+
+
+def failed_cause(message: str) -> str:
+    """Why a Codex turn failed, in an operator's words (Codex's own message follows)."""
+    status = STATUS_RE.search(message)
+    if status:
+        cause = status_cause(status.group(1))
+    elif UNREACHABLE_RE.search(message):
+        cause = UNREACHABLE_CAUSE
+    elif "high demand" in message.lower():
+        cause = "the model API is failing or overloaded"
+    else:
+        cause = "the model API call failed"
+    return f"{cause} — Codex: {message}"[:300]

@@ -68,7 +68,7 @@ def test_claude_code_command_lines():
     new = command("claude_code")
     assert new.argv == ["claude", "-p", "--output-format", "stream-json", "--verbose"]
     assert new.stdin == "fix the build\n@reply ok" and new.cwd == CWD
-    assert new.env == {"CHORUS_API_URL": "http://p/api/v1"}
+    assert new.env == {"CHORUS_API_URL": "http://p/api/v1", "DISABLE_AUTOUPDATER": "1"}
     resumed = command("claude_code", "8f6d2c1e", CHORUS_CLAUDE_CODE_ARGS="--permission-mode acceptEdits",
                       CHORUS_CLAUDE_CODE_BIN="/opt/claude/bin/claude")
     assert resumed.argv == ["/opt/claude/bin/claude", "-p", "--output-format", "stream-json", "--verbose",
@@ -193,7 +193,7 @@ def test_codex_failed_turn_has_no_final_reply():
     assert summary["final_reply"] is None  # the turn never completed
     assert of_kind(events, EV_TEXT) == [{"text": "Looking at the repository layout."}]  # older item_type
     assert len(summary["errors"]) == 2 and all(e["kind"] == "auth" for e in summary["errors"])
-    assert {"message": "Reconnecting... 1/5"} in of_kind(events, EV_PROGRESS)
+    assert {"message": "retrying: Reconnecting... 1/5", "retry": {"error": "Reconnecting... 1/5"}} in of_kind(events, EV_PROGRESS)
 
 
 def test_kiro_stream_fixture():
