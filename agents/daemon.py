@@ -63,6 +63,7 @@ RECONNECT_FIRST_S = 0.5
 # Short: while the portal is away its sweep may settle our running turns offline; the sooner we are
 # back, the sooner our snapshot reopens them (and a restarted portal is reached within ~2 s).
 RECONNECT_CAP_S = 2.0
+REPLACED_RETRY_S = 30.0        # after another socket with our key took over (see _connection_loop)
 SEEN_COMMANDS_MAX = 10000
 FINISHED_TURNS_MAX = 10000
 SHUTDOWN_FLUSH_S = 5.0
@@ -235,6 +236,12 @@ class Daemon:
                     await self._on_connected(ws)
                     await self._serve(ws)
                 log.info("the portal closed the connection")
+                if getattr(ws, "close_code", None) == p.SOCKET_REPLACED_CLOSE:
+                    # Another daemon uses this connection's key (or a stale socket of ours was
+                    # replaced): do not fight it for the socket every few seconds.
+                    log.error("another socket with this connection's key replaced this one; is a second daemon "
+                              "running with the same key? trying again in %g s", REPLACED_RETRY_S)
+                    await asyncio.sleep(REPLACED_RETRY_S)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001 — every failure means: wait, then reconnect

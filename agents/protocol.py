@@ -63,6 +63,8 @@ COMMAND_MAX_BYTES = 1024 * 1024
 # Messages
 HELLO, HEARTBEAT, SNAPSHOT, ACK, RESULT = "hello", "heartbeat", "snapshot", "ack", "result"
 WELCOME, COMMAND, ERROR = "welcome", "command", "error"
+# Close code the portal gives a daemon socket that a newer socket with the same key replaced.
+SOCKET_REPLACED_CLOSE = 4409
 
 # Command actions
 START_TURN, INTERRUPT, RESUME, PROBE = "start_turn", "interrupt", "resume", "probe"

@@ -156,9 +156,37 @@ def _reconcile_safely(fn, **kwargs):
         return None
 
 
-def connection_daemon_disconnected(*, connection_id) -> None:
+def connection_socket_claim(*, connection_id, socket: str, client: str = "") -> str:
+    """The newest daemon socket of a connection speaks for it; returns the socket it replaces ("").
+
+    A daemon that reconnects after a network blip may leave a half-open socket behind, so the
+    newer socket wins explicitly (an event says so); the replaced one is closed and its close no
+    longer marks the connection offline.
+    """
+    with transaction.atomic():
+        previous = (Connection.objects.select_for_update(no_key=True).filter(pk=connection_id)
+                    .values_list("daemon_socket", flat=True).first()) or ""
+        Connection.objects.filter(pk=connection_id).update(daemon_socket=socket)
+        if previous and previous != socket:
+            event_append(stream=f"connection:{connection_id}", kind="connection.socket_replaced",
+                         data={"id": str(connection_id), "client": client[:100]})
+    return previous if previous != socket else ""
+
+
+def connection_socket_is_current(*, connection_id, socket: str) -> bool:
+    return Connection.objects.filter(pk=connection_id, daemon_socket=socket).exists()
+
+
+def connection_daemon_disconnected(*, connection_id, socket: str | None = None) -> None:
     """Presence is gone; running turns are settled by the sweep once the heartbeat is stale,
-    so a short network blip does not end work that is still running."""
+    so a short network blip does not end work that is still running.
+
+    With ``socket``: only the connection's current socket takes presence down; the close of a
+    socket that a newer one replaced changes nothing.
+    """
+    if socket is not None and not Connection.objects.filter(pk=connection_id, daemon_socket=socket).update(
+            daemon_socket=""):
+        return
     try:
         services.connection_set_status(connection_id=connection_id, status=states.CONN_OFFLINE)
     except ApplicationError:

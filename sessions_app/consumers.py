@@ -64,6 +64,13 @@ class DaemonConsumer(LayerAwareConsumer, AsyncWebsocketConsumer):
         self.group = bridge.daemon_group(connection.pk)
         await self.layer_join(self.group)  # a broken layer is re-joined later (layer_recover)
         await self.accept()
+        replaced = await database_sync_to_async(bridge.connection_socket_claim)(
+            connection_id=connection.pk, socket=self.channel_name, client=ident)
+        if replaced:
+            try:  # close it at once; else its own poll notices within COMMAND_POLL_S
+                await self.channel_layer.send(replaced, {"type": "daemon.replaced"})
+            except Exception:  # noqa: BLE001 - the layer is a wake-up only
+                log.info("could not tell the replaced socket of %s to close", connection.pk, exc_info=True)
         await self._send({"type": protocol.WELCOME, "connection": str(connection.pk),
                           "heartbeat_interval_s": protocol.HEARTBEAT_INTERVAL_S,
                           "heartbeat_timeout_s": settings.CHORUS_HEARTBEAT_TIMEOUT_S})
@@ -73,6 +80,10 @@ class DaemonConsumer(LayerAwareConsumer, AsyncWebsocketConsumer):
         while True:
             await asyncio.sleep(COMMAND_POLL_S)
             try:
+                if not await database_sync_to_async(bridge.connection_socket_is_current)(
+                        connection_id=self.connection_id, socket=self.channel_name):
+                    await self.daemon_replaced({})
+                    return
                 if await database_sync_to_async(bridge.commands_pending)(connection_id=self.connection_id):
                     await self.commands_push({})
             except Exception:  # a database blip must not end the poll for the life of the socket
@@ -94,13 +105,22 @@ class DaemonConsumer(LayerAwareConsumer, AsyncWebsocketConsumer):
                 log.info("daemon %s: channel layer back", self.connection_id)
                 return {"type": "commands.push"}
 
+    async def daemon_replaced(self, event):
+        """A newer socket with this connection's key speaks for it now: this one stops serving."""
+        if self.connection_id is None:
+            return
+        await self._send({"type": protocol.ERROR, "code": "replaced",
+                          "message": "a newer socket of this connection replaced this one"})
+        await self.close(code=protocol.SOCKET_REPLACED_CLOSE)
+
     async def disconnect(self, code):
         if self.poller is not None:
             self.poller.cancel()
         if self.connection_id is None:
             return
         await self.layer_leave(self.group)
-        await database_sync_to_async(bridge.connection_daemon_disconnected)(connection_id=self.connection_id)
+        await database_sync_to_async(bridge.connection_daemon_disconnected)(connection_id=self.connection_id,
+                                                                            socket=self.channel_name)
 
     async def receive(self, text_data=None, bytes_data=None):
         try:

@@ -36,6 +36,9 @@ class Connection(models.Model):
     daemon_version = models.CharField(max_length=32, blank=True, default="")
     capabilities = models.JSONField(default=dict, blank=True)
     last_snapshot = models.JSONField(default=dict, blank=True)
+    # The daemon socket that currently speaks for this connection (its channel name): a second
+    # socket with the same key replaces it, and only the current one's close takes presence down.
+    daemon_socket = models.CharField(max_length=255, blank=True, default="", editable=False)
     created_at = models.DateTimeField(auto_now_add=True)
 
     class Meta:
