@@ -80,7 +80,7 @@ class Reply:
 class Recorded:
     method: str
     path: str
-    headers: dict[str, str]
+    headers: dict[str, str]   # names lower-cased
     body: Any
     agent: bool          # an agent request (consumed a scripted reply)
     at: float
@@ -159,7 +159,8 @@ def _handler(standin: ModelStandin):
                 return raw.decode("utf-8", "replace")
 
         def _record(self, body: Any, agent: bool) -> None:
-            standin.requests.append(Recorded(self.command, self.path.split("?")[0], dict(self.headers.items()),
+            standin.requests.append(Recorded(self.command, self.path.split("?")[0],
+                                             {k.lower(): v for k, v in self.headers.items()},
                                              body, agent, time.time()))
 
         def _json(self, status: int, obj: Any, headers: dict[str, str] | None = None) -> None:
