@@ -105,7 +105,7 @@ def real_bridge(backend, portal_server, operator, workspace, tmp_path, standin):
            "CLAUDE_CODE_MAX_RETRIES": "2"}
     if backend == "claude_code":
         env.update(ANTHROPIC_BASE_URL=standin.url, ANTHROPIC_API_KEY=API_KEY,
-                   CHORUS_CLAUDE_CODE_ARGS="--permission-mode acceptEdits")
+                   CHORUS_CLAUDE_CODE_ARGS="--permission-mode acceptEdits --allowedTools Bash")
     else:
         codex_config(home / ".codex", standin.url)
         env.update(CODEX_HOME=str(home / ".codex"), STANDIN_API_KEY=API_KEY)

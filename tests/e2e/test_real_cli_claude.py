@@ -9,7 +9,7 @@ import shutil
 import pytest
 
 from sessions_app.models import Session, Turn
-from tests.e2e.conftest import wait_until
+from tests.e2e.conftest import alive, wait_until
 from tests.e2e.real_cli import (
     message,
     group_processes,
@@ -91,6 +91,31 @@ def test_interrupt_mid_stream_is_confirmed_and_the_session_resumes(claude):
     again = wait_status(resume(claude, session.pk, "Go on."), "ended", bridge=claude)
     assert again.final_reply == "Picking up where we stopped."
     assert "Think for a long time." in said(model.agent_requests()[-1])
+
+
+STUBBORN = """import os, signal, time
+signal.signal(signal.SIGINT, signal.SIG_IGN)
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+open("stubborn.pid", "w").write(str(os.getpid()))
+time.sleep(300)
+"""
+
+
+def test_interrupt_reaches_a_tool_that_ignores_the_stop_in_its_own_session(claude):
+    ws, model = claude["workspace"], claude["standin"]
+    # Claude Code runs each Bash command in a session of its own (setsid): not in the CLI's group.
+    model.script(Reply(tools=[Tool.write(str(ws / "stubborn.py"), STUBBORN)]),
+                 Reply(tools=[Tool.bash("python3 stubborn.py")]), Reply(text="never"))
+    turn = start(claude, "Run the stubborn script.")
+    wait_until(lambda: (ws / "stubborn.pid").exists() and (ws / "stubborn.pid").read_text(), timeout=60,
+               message="the tool to run")
+    tool_pid = int((ws / "stubborn.pid").read_text())
+    status, _ = claude["api"].call("POST", f"/turns/{turn.pk}/interrupt", {"reason": "e2e"})
+    assert status == 200
+    turn = wait_until(lambda: (t := Turn.objects.get(pk=turn.pk)).stop_state == "confirmed" and t, timeout=60,
+                      message="a confirmed stop")
+    assert (turn.status, turn.interrupted_reason) == ("interrupted", "user")
+    assert not alive(tool_pid) and group_processes(turn.pid) == []
 
 
 def test_wake_errors_name_the_cause(claude):
