@@ -83,7 +83,11 @@ class CodexBackend(Backend):
         return LaunchSpec(argv=argv + ["-"], stdin=prompt, env=dict(env), cwd=cwd)
 
     def takeover_command(self, backend_session_id: str | None, cwd: str) -> str | None:
-        return f"codex exec resume {shlex.quote(backend_session_id)}" if backend_session_id else None
+        # As printed it must work in any cwd: without --skip-git-repo-check Codex refuses a directory that
+        # is not a git repository ("Not inside a trusted directory", observed with 0.169.0).
+        if not backend_session_id:
+            return None
+        return f"codex exec --skip-git-repo-check resume {shlex.quote(backend_session_id)}"
 
     def parse_event(self, obj: dict) -> list[AgentEvent]:
         kind = obj.get("type")

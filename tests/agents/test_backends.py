@@ -111,7 +111,7 @@ def test_scripted_command_finds_the_package_from_any_cwd():
 
 @pytest.mark.parametrize(("name", "expected"), [
     ("claude_code", "claude --resume 8f6d2c1e-4b7a"),
-    ("codex", "codex exec resume 8f6d2c1e-4b7a"),
+    ("codex", "codex exec --skip-git-repo-check resume 8f6d2c1e-4b7a"),
     ("kiro", "kiro-cli chat --resume-id 8f6d2c1e-4b7a"),
     ("scripted", "python -m agents.scripted_agent --resume 8f6d2c1e-4b7a"),
     ("dsh", None),

@@ -4,7 +4,9 @@ stand-in's Responses API (issue 10). docs/daemon-backends.md says which observat
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
 
 import pytest
 
@@ -64,8 +66,17 @@ def test_turn_with_shell_and_apply_patch_then_the_next_message_in_the_same_threa
     session.refresh_from_db()
     last = model.agent_requests()[-1]
     assert "Make two files." in said(last) and "Codex finished." in said(last) and "And now?" in said(last)
+    # The take-over command, run as the API shows it in the session's cwd, continues the thread.
     status, detail = codex["api"].call("GET", f"/sessions/{session.pk}")
-    assert session.backend_session_id in detail["takeover"]["command"]
+    command = detail["takeover"]["command"]
+    assert session.backend_session_id in command
+    model.script(Reply(text="Taken over by hand."))
+    env = {**codex["daemon"].env, "PATH": os.path.dirname(codex["binary"]) + os.pathsep + os.environ["PATH"]}
+    by_hand = subprocess.run(command, shell=True, cwd=ws, env=env, input="Typed by the operator.",
+                             capture_output=True, text=True, timeout=120)
+    assert by_hand.returncode == 0, by_hand.stderr[-2000:]
+    last = model.agent_requests()[-1]
+    assert "Typed by the operator." in said(last) and "Still the same thread." in said(last)
 
 
 def test_interrupt_of_a_first_turn_keeps_the_thread_id_for_resume(codex):
