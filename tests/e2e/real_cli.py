@@ -91,7 +91,10 @@ def standin():
         server.close()
 
 
-def real_bridge(backend, portal_server, operator, workspace, tmp_path, standin):
+CLAUDE_ARGS = "--permission-mode acceptEdits --allowedTools Bash"
+
+
+def real_bridge(backend, portal_server, operator, workspace, tmp_path, standin, *, claude_args: str = CLAUDE_ARGS):
     """Register a connection with ``backend`` and start its daemon with the real CLI."""
     binary = cli_binary(backend)
     connection, key = services.connection_register(name=f"e2e-{backend}", backend=backend, cwds=[str(workspace)],
@@ -105,7 +108,7 @@ def real_bridge(backend, portal_server, operator, workspace, tmp_path, standin):
            "CLAUDE_CODE_MAX_RETRIES": "2"}
     if backend == "claude_code":
         env.update(ANTHROPIC_BASE_URL=standin.url, ANTHROPIC_API_KEY=API_KEY,
-                   CHORUS_CLAUDE_CODE_ARGS="--permission-mode acceptEdits --allowedTools Bash")
+                   CHORUS_CLAUDE_CODE_ARGS=claude_args)
     else:
         codex_config(home / ".codex", standin.url)
         env.update(CODEX_HOME=str(home / ".codex"), STANDIN_API_KEY=API_KEY)
