@@ -6,6 +6,7 @@ import base64
 import binascii
 import math
 
+from django.core.exceptions import RequestDataTooBig
 from django.db.models import QuerySet
 from django.http import Http404
 from ninja import NinjaAPI, Schema, Status
@@ -13,6 +14,7 @@ from ninja.errors import AuthenticationError, HttpError, Throttled, ValidationEr
 from ninja.security import APIKeyCookie, HttpBearer
 from django.conf import settings
 
+from .api_input import StorableParser, declare_common_errors
 from .errors import ApplicationError
 from .idempotency import idempotent_call
 from .permissions import has_ops_role
@@ -46,13 +48,19 @@ class TokenAuth(HttpBearer):
         return user
 
 
-api = NinjaAPI(
+class ChorusAPI(NinjaAPI):
+    def get_openapi_schema(self, *, path_prefix=None, path_params=None):
+        return declare_common_errors(super().get_openapi_schema(path_prefix=path_prefix, path_params=path_params))
+
+
+api = ChorusAPI(
     title="Chorus Ops API",
     version="1",
     description="Operations console for coding agents. Errors: {\"error\": {\"code\", \"message\", \"detail\"}}.",
     urls_namespace="api",
     auth=[SessionCookieAuth(), TokenAuth()],
     throttle=[CallerThrottle()],  # per caller; the daemon routes are mounted without it
+    parser=StorableParser(),  # NUL and lone surrogates -> U+FFFD in every body and query string
 )
 
 
@@ -84,6 +92,12 @@ def _auth_error(request, exc):
 @api.exception_handler(Http404)
 def _not_found(request, exc):
     return error_response(request, "not_found", "not found", 404)
+
+
+@api.exception_handler(RequestDataTooBig)
+def _body_too_big(request, exc):
+    return error_response(request, "payload_too_large", "request body too large", 413,
+                          {"limit_bytes": settings.DATA_UPLOAD_MAX_MEMORY_SIZE})
 
 
 @api.exception_handler(HttpError)

@@ -165,6 +165,7 @@ INSTALLED_APPS = [
 
 MIDDLEWARE = [
     "django.middleware.security.SecurityMiddleware",
+    "chorus_site.api_input.ApiErrorBodyMiddleware",  # /api/ errors always the §8 JSON body, never HTML
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
     "django.middleware.csrf.CsrfViewMiddleware",

@@ -12,13 +12,14 @@ from ninja import Schema, Status
 from ninja.security import HttpBearer
 
 from chorus_site.api import SessionCookieAuth, TokenAuth, act, require_perm
+from chorus_site.api_input import NO_CONTROL, Enum, Text
 from chorus_site.audit import audit_record
 from chorus_site.errors import ApplicationError
 from chorus_site.idempotency import idempotent_call
 from chorus_site.redaction import ingest
 from chorus_site.throttling import client_ident, credential_gate
 
-from . import engine, selectors as sel, services
+from . import engine, selectors as sel, services, states
 from .api import ERRORS, router
 from .models import Attempt, Issue
 from .task_tokens import attempt_for_task_token
@@ -49,14 +50,14 @@ def _agent_call(request, *, route: str, body: dict, action):
     return Status(code, answer)
 
 
-class OutcomeIn(Schema):
-    intent: str
+class AgentOutcomeIn(Schema):
+    intent: str = Enum(states.OUTCOMES)
     ref: str | None = None
     summary: str | None = None
 
 
 class NodeIn(Schema):
-    key: str
+    key: str = Text(100)
     prompt: str
 
 
@@ -66,15 +67,15 @@ class NodesIn(Schema):
 
 class CommentIn(Schema):
     body: str
-    type: str = "comment"
+    type: str = Enum(states.COMMENT_TYPES, "comment")
     run: UUID | None = None
     attempt: UUID | None = None
     issue: UUID | None = None
 
 
 class ArtifactIn(Schema):
-    kind: str
-    name: str
+    kind: str = Enum(states.ARTIFACT_KINDS)
+    name: str = Text(255, pattern=NO_CONTROL)
     content: str
     issue: UUID | None = None
     run: UUID | None = None
@@ -83,7 +84,7 @@ class ArtifactIn(Schema):
 
 @router.post("/attempts/{attempt_id}/outcome", auth=TaskTokenAuth(), response={200: dict, **ERRORS},
              summary="Outcome intent of an attempt (its task token)")
-def attempt_outcome(request, attempt_id: UUID, body: OutcomeIn):
+def attempt_outcome(request, attempt_id: UUID, body: AgentOutcomeIn):
     if not isinstance(request.auth, Attempt) or request.auth.pk != attempt_id:
         raise ApplicationError("forbidden", "a task token may report only its own attempt")
     body = _agent_text(body)

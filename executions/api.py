@@ -5,17 +5,19 @@ from __future__ import annotations
 from uuid import UUID
 
 from django.http import HttpResponse
-from ninja import Router, Schema
+from django.utils.http import content_disposition_header
+from ninja import Path, Router, Schema
 
 from chorus_site.api import ErrorBody, act, filter_or_400, paginate, query_params, require_ops
+from chorus_site.api_input import Count, Enum, Text
 from chorus_site.audit import audit_record
 from chorus_site.errors import ApplicationError
 from chorus_site.permissions import can_view_diagnostics
-from chorus_site.redaction import redact
+from chorus_site.redaction import clean_text, redact
 from sessions_app.selectors import get_or_404
 from sessions_app.troubleshooting import export_options, export_response
 
-from . import actions, engine, services, troubleshooting, workflows
+from . import actions, engine, services, states, troubleshooting, workflows
 from . import selectors as sel
 from .filters import ArtifactFilter, AttemptFilter, IssueFilter, RunFilter
 from .schemas import (
@@ -132,22 +134,25 @@ def artifact_content(request, artifact_id: UUID):
                      client="api")
     body = artifact.content if raw else redact(artifact.content)
     response = HttpResponse(body, content_type="text/plain; charset=utf-8")
-    response["Content-Disposition"] = f'inline; filename="{artifact.name.replace(chr(34), "")}"'
+    # The name is free text: control characters (CR/LF would split the header) are dropped and a
+    # non-ASCII name is sent as RFC 6266 filename*= (a header must be Latin-1).
+    safe_name = "".join(ch for ch in artifact.name if ch.isprintable()) or "artifact"
+    response["Content-Disposition"] = content_disposition_header(False, safe_name)
     response["X-Content-Type-Options"] = "nosniff"
     return response
 
 
 # ---------------------------------------------------------------- acting routes
 class IssueIn(Schema):
-    title: str
+    title: str = Text(255)
     body: str = ""
     acceptance_criteria: str = ""
-    completion_policy: str = "review"
+    completion_policy: str = Enum(states.COMPLETION_POLICIES, "review")
 
 
 class RunIn(Schema):
     issue: UUID
-    mode: str
+    mode: str = Enum(states.RUN_MODES)
     workflow_revision: UUID | None = None
     input: dict = {}
     target: dict | None = None
@@ -155,7 +160,7 @@ class RunIn(Schema):
 
 
 class RunActionIn(Schema):
-    expected_version: int | None = None
+    expected_version: int | None = Count(None)
     reason: str | None = None
 
 
@@ -165,7 +170,7 @@ class RerunIn(Schema):
 
 
 class WorkflowIn(Schema):
-    name: str
+    name: str = Text(100)
     description: str = ""
     spec: dict
 
@@ -260,13 +265,13 @@ def _jsonable(value):
 
 
 class DecisionIn(Schema):
-    decision: str
-    expected_version: int | None = None
+    decision: str = Enum(["approved", "rejected"])
+    expected_version: int | None = Count(None)
     reason: str | None = None
 
 
 class ReviewIn(Schema):
-    expected_version: int | None = None
+    expected_version: int | None = Count(None)
     reason: str | None = None
 
 
@@ -275,7 +280,8 @@ class TaskActionIn(Schema):
 
 
 @router.post("/runs/{run_id}/signals/{name}", response={200: dict, **ERRORS}, summary="Deliver a signal (§4.7)")
-def run_signal(request, run_id: UUID, name: str, body: TaskActionIn = None):
+def run_signal(request, run_id: UUID, name: str = Path(..., max_length=100), body: TaskActionIn = None):
+    name = clean_text(name)  # a path parameter does not go through the API's parser
     reason = body.reason if body else None
     return act(request, perm="executions.signal_run", route=f"runs.signal:{run_id}:{name}", body={"reason": reason},
                action=lambda user, key: actions.run_signal(actor=user, run_id=run_id, name=name, reason=reason,

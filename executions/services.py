@@ -234,6 +234,8 @@ def artifact_add(*, issue_id, kind: str, name: str, content: str, run_id=None, a
             # Its run's lock first, as the tick takes it (lock order in chorus_site/transitions.py).
             run_lock(run_id or _run_id_of(Attempt, attempt_id))
             _artifact_scope_check(issue_id=issue_id, run_id=run_id, attempt_id=attempt_id)
+        elif not Issue.objects.filter(pk=issue_id).exists():  # else an IntegrityError at COMMIT
+            raise ApplicationError("not_found", f"issue {issue_id} does not exist")
         artifact = Artifact.objects.create(issue_id=issue_id, run_id=run_id, attempt_id=attempt_id, kind=kind,
                                            name=name, content=content, sha256=hashlib.sha256(raw).hexdigest(),
                                            size=len(raw))

@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+from typing import Annotated
 from uuid import UUID
 
-from ninja import Schema
+from ninja import Field, Schema
+from pydantic import StringConstraints
 
 from chorus_site.api import ErrorBody, act, require_perm
+from chorus_site.api_input import Count, Enum, Text
 from chorus_site.audit import audit_record
 from chorus_site.errors import ApplicationError
 
-from . import actions, services
+from . import actions, services, states
 from .api import router  # one router per app: ninja serves one path from one router only
 from .models import Connection
 
@@ -20,10 +23,10 @@ ERRORS = {400: ErrorBody, 401: ErrorBody, 403: ErrorBody, 404: ErrorBody, 409: E
 
 class StartIn(Schema):
     connection: UUID
-    cwd: str
+    cwd: str = Text(1024)
     prompt: str
-    idea_key: str | None = None
-    title: str = ""
+    idea_key: str | None = Text(255, None)
+    title: str = Text(255, "")
     acknowledge_changes: bool = False
     reason: str | None = None
 
@@ -41,7 +44,7 @@ class ContextIn(Schema):
 class HandoffIn(Schema):
     context: str = ""
     connection: UUID | None = None
-    cwd: str | None = None
+    cwd: str | None = Text(1024, None)
     reason: str | None = None
 
 
@@ -60,12 +63,12 @@ class AnswersIn(Schema):
 
 
 class ConnectionIn(Schema):
-    name: str
-    backend: str
-    cwds: list[str]
-    host: str = ""
-    max_concurrency: int = 4
-    sigint_timeout_s: int = 10
+    name: str = Text(100)
+    backend: str = Enum(states.BACKENDS)
+    cwds: list[Annotated[str, StringConstraints(max_length=1024)]] = Field(..., min_length=1)
+    host: str = Text(255, "")
+    max_concurrency: int = Count(4, ge=1)
+    sigint_timeout_s: int = Count(10)
     auto_resume_crashed: bool = False
 
 
