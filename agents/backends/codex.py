@@ -39,11 +39,16 @@ Observed with 0.169.0 against tests/model_standin.py (docs/daemon-backends.md ha
 * SIGINT mid-stream: exit 1 at once, nothing printed after ``turn.started`` (a partial reply is
   lost; the thread id of ``thread.started`` stays valid for ``exec resume``). ``codex`` from npm is
   a Node launcher that forwards SIGINT/SIGTERM/SIGHUP to the native binary;
-* ``turn.completed`` usage on a resumed thread is the thread's running total, not the turn's.
+* ``turn.completed`` usage on a resumed thread is the thread's running total, not the turn's: on
+  a resume the adapter reads the total so far from the thread's rollout file (the last
+  ``token_count`` event) and reports the difference.
 """
 
 from __future__ import annotations
 
+import glob
+import json
+import os
 import re
 import shlex
 from collections.abc import Mapping
@@ -80,6 +85,9 @@ class CodexBackend(Backend):
                 "--cd", cwd, *self.extra_args]
         if backend_session_id:
             argv += ["resume", backend_session_id]
+            self.usage_before = thread_usage(self.environ.get("CODEX_HOME") or env.get("CODEX_HOME")
+                                             or os.path.join(self.environ.get("HOME") or os.path.expanduser("~"),
+                                                             ".codex"), backend_session_id)
         return LaunchSpec(argv=argv + ["-"], stdin=prompt, env=dict(env), cwd=cwd)
 
     def takeover_command(self, backend_session_id: str | None, cwd: str) -> str | None:
@@ -99,9 +107,13 @@ class CodexBackend(Backend):
             events = [AgentEvent(EV_PROGRESS, {"message": "turn completed", "turn_completed": True})]
             usage = obj.get("usage")
             if isinstance(usage, Mapping):
-                total, cached = as_int(usage.get("input_tokens")), as_int(usage.get("cached_input_tokens"))
+                # On a resumed thread Codex reports the thread's running total: the turn is the difference.
+                before = getattr(self, "usage_before", None) or {}
+                usage = {k: as_int(usage.get(k)) - as_int(before.get(k)) for k in
+                         ("input_tokens", "cached_input_tokens", "output_tokens")}
+                total, cached = max(0, usage["input_tokens"]), max(0, usage["cached_input_tokens"])
                 events.insert(0, AgentEvent(EV_USAGE, {"input": max(0, total - cached),
-                                                       "output": as_int(usage.get("output_tokens")),
+                                                       "output": max(0, usage["output_tokens"]),
                                                        "cache_read": cached, "cache_write": 0}))
             return events
         if kind == "turn.failed":
@@ -178,3 +190,27 @@ def failed_cause(message: str) -> str:
     else:
         cause = "the model API call failed"
     return f"{cause} — Codex: {message}"[:300]
+
+
+def thread_usage(codex_home: str, thread_id: str) -> dict | None:
+    """The thread's token totals so far, from the last ``token_count`` of its rollout file
+    (``$CODEX_HOME/sessions/YYYY/MM/DD/rollout-<time>-<thread id>.jsonl``); None if not found."""
+    if not re.fullmatch(r"[0-9A-Za-z-]{8,64}", thread_id or ""):
+        return None
+    paths = glob.glob(os.path.join(glob.escape(codex_home), "sessions", "*", "*", "*", f"rollout-*-{thread_id}.jsonl"))
+    total = None
+    for path in paths[:1]:
+        try:
+            with open(path, encoding="utf-8", errors="replace") as handle:
+                for line in handle:
+                    if '"token_count"' not in line:
+                        continue
+                    try:
+                        info = (json.loads(line).get("payload") or {}).get("info") or {}
+                    except ValueError:
+                        continue
+                    if isinstance(info.get("total_token_usage"), dict):
+                        total = info["total_token_usage"]
+        except OSError:
+            return None
+    return total

@@ -63,7 +63,10 @@ def test_turn_with_shell_and_apply_patch_then_the_next_message_in_the_same_threa
     again = wait_status(message(codex, session.pk, "And now?"), "ended", bridge=codex)
     assert again.final_reply == "Still the same thread."
     assert again.commands.get().payload["backend_session_id"] == session.backend_session_id
+    output_first = session.tokens_output
     session.refresh_from_db()
+    # Codex reports a resumed thread's running total; the turn adds only its own 7 output tokens.
+    assert session.tokens_output == output_first + 7
     last = model.agent_requests()[-1]
     assert "Make two files." in said(last) and "Codex finished." in said(last) and "And now?" in said(last)
     # The take-over command, run as the API shows it in the session's cwd, continues the thread.
