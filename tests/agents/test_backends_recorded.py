@@ -5,6 +5,7 @@ prove end to end (issue 10)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import sys
 from pathlib import Path
 
@@ -85,3 +86,21 @@ def test_an_error_result_followed_by_exit_0_is_a_crash_with_the_backends_reason(
     assert final["wake_error"]["exit_code"] == 0
     assert final["wake_error"]["summary"].startswith("the model is overloaded (529)")
     assert final["backend_session_id"] == "fdf0cad9-cd0c-4868-94bc-da033e63cc18"
+
+
+def test_codex_resumed_usage_is_the_turns_share_of_the_threads_total(tmp_path):
+    thread = "01a23129-18f9-7bc0-ba37-dd37de3247e7"
+    day = tmp_path / "codex" / "sessions" / "2026" / "12" / "01"
+    day.mkdir(parents=True)
+    record = {"type": "event_msg", "payload": {"type": "token_count", "info": {"total_token_usage": {
+        "input_tokens": 22, "cached_input_tokens": 4, "output_tokens": 14}}}}
+    (day / f"rollout-2026-12-01T10-31-21-{thread}.jsonl").write_text('{"type":"session_meta"}\n' + json.dumps(record) + "\n")
+    backend = CodexBackend({"CODEX_HOME": str(tmp_path / "codex")})
+    backend.command(prompt="again", cwd=str(tmp_path), backend_session_id=thread, env={})
+    line = ('{"type":"turn.completed","usage":{"input_tokens":33,"cached_input_tokens":6,'
+            '"cache_write_input_tokens":0,"output_tokens":21,"reasoning_output_tokens":0}}')
+    usage = [e.data for e in backend.parse_line(line) if e.kind == "usage"]
+    assert usage == [{"input": 9, "output": 7, "cache_read": 2, "cache_write": 0}]
+    fresh = CodexBackend({"CODEX_HOME": str(tmp_path / "codex")})  # a new thread: the figures as printed
+    assert [e.data for e in fresh.parse_line(line) if e.kind == "usage"] == [
+        {"input": 27, "output": 21, "cache_read": 6, "cache_write": 0}]
