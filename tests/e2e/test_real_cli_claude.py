@@ -8,6 +8,7 @@ import shutil
 
 import pytest
 
+from chorus_site.models import Event
 from sessions_app.models import Session, Turn
 from tests.e2e.conftest import alive, wait_until
 from tests.e2e.real_cli import (
@@ -143,6 +144,17 @@ def test_wake_errors_name_the_cause(claude):
     gone = wait_status(message(claude, first.session_id, "again"), "interrupted", timeout=60, bridge=claude)
     assert gone.interrupted_reason == "crash"
     assert "no conversation" in gone.wake_error["summary"] and "new session" in gone.wake_error["summary"]
+
+    # The CLI dies mid-turn (its Bash tool SIGKILLs it): a crash by signal, the partial reply kept.
+    model._script.clear()
+    model.script(Reply(text="Let me look first.", tools=[Tool.bash("kill -9 $PPID")]))
+    killed = wait_status(start(claude, "hello", idea_key="idea:killed", acknowledge_changes=True), "interrupted",
+                         timeout=60, bridge=claude)
+    assert killed.interrupted_reason == "crash" and killed.wake_error["kind"] == "signal", killed.wake_error
+    assert killed.wake_error["signal"] in ("SIGKILL", "KILL")
+    # The partial reply is in the turn's output (the transcript takes final replies only: see the docs).
+    assert "Let me look first." in [str((e.data.get("data") or {}).get("text")) for e in
+                                    Event.objects.filter(stream=killed.stream, kind="turn.output")]
 
     # The model server is down: connection refused, in words.
     model.close()
