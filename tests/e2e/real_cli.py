@@ -94,9 +94,10 @@ def standin():
 CLAUDE_ARGS = "--permission-mode acceptEdits --allowedTools Bash"
 
 
-def real_bridge(backend, portal_server, operator, workspace, tmp_path, standin, *, claude_args: str = CLAUDE_ARGS):
-    """Register a connection with ``backend`` and start its daemon with the real CLI."""
-    binary = cli_binary(backend)
+def real_bridge(backend, portal_server, operator, workspace, tmp_path, standin, *, claude_args: str = CLAUDE_ARGS,
+                binary: str | None = None):
+    """Register a connection with ``backend`` and start its daemon with the real CLI (or ``binary``)."""
+    binary = binary or cli_binary(backend)
     connection, key = services.connection_register(name=f"e2e-{backend}", backend=backend, cwds=[str(workspace)],
                                                    sigint_timeout_s=SIGINT_TIMEOUT_S)
     daemon = Daemon(portal_server, key, str(workspace), tmp_path, sigint_timeout_s=SIGINT_TIMEOUT_S)

@@ -1,5 +1,6 @@
-"""Real Claude Code in its default permission mode (issue 10): a refused tool becomes a
-``requires_action`` confirmation; the answer resumes the same Claude session with it."""
+"""Real Claude Code set up differently from test_real_cli_claude.py (issue 10): in its default
+permission mode a refused tool becomes a ``requires_action`` confirmation and the answer resumes
+the same Claude session; with the configured binary missing a turn is a spawn failure naming it."""
 
 from __future__ import annotations
 
@@ -40,3 +41,18 @@ def test_a_permission_denial_is_a_confirmation_and_the_answer_resumes_the_sessio
     assert resumed.commands.get().payload["backend_session_id"] == session.backend_session_id
     last = json.dumps(model.agent_requests()[-1].body["messages"])
     assert "Write denied.txt" in last and "yes" in last
+
+
+@pytest.fixture
+def claude_missing(portal_server, celery_beat_worker, operator, workspace, tmp_path, standin):  # noqa: F811
+    bridge = real_bridge("claude_code", portal_server, operator, workspace, tmp_path, standin,
+                         binary=str(tmp_path / "not-installed" / "claude"))
+    yield bridge
+    stop_bridge(bridge)
+
+
+def test_a_missing_binary_is_a_spawn_failure_naming_it(claude_missing):
+    turn = wait_status(start(claude_missing, "hello"), "interrupted", bridge=claude_missing)
+    assert turn.interrupted_reason == "crash" and turn.wake_error["kind"] == "spawn_failed", turn.wake_error
+    assert "not-installed/claude" in turn.wake_error["summary"] + turn.wake_error["details"]
+    assert claude_missing["standin"].requests == []
