@@ -264,6 +264,13 @@ def turn_reopen_held(*, turn_id, evidence: dict) -> Turn:
                                    {"status": turn.status, "interrupted_reason": turn.interrupted_reason})
         other = (Turn.objects.filter(session_id=session_id, status__in=[states.RUNNING, states.REQUIRES_ACTION])
                  .exclude(pk=turn.pk).values_list("pk", flat=True).first())
+        if other is None:
+            # Nor over a later turn already sent to a daemon (e.g. where its session moved meanwhile):
+            # that daemon may be starting it; two turns of a session never run at once.
+            other = (ControlCommand.objects.filter(
+                turn__session_id=session_id, turn__status=states.PENDING, action__in=["start_turn", "resume"],
+                state__in=[states.CMD_PENDING, states.CMD_DELIVERED, states.CMD_ACKED])
+                .values_list("turn_id", flat=True).first())
         if other is not None:
             raise ApplicationError("conflict", "another turn of this session runs; interrupt this one instead",
                                    {"running": str(other)})

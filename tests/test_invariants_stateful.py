@@ -545,6 +545,10 @@ class Conversations(RuleBasedStateMachine):
     def a_paused_run_stays_as_it_is(self):
         for run_id, state in Run.objects.filter(pk__in=list(self.paused)).values_list("pk", "state"):
             nodes, attempts = self.paused[run_id]
+            if state in {"cancelling", "cancelled"} and AuditEntry.objects.filter(
+                    action="run.cancel", target=f"run:{run_id}").exclude(outcome="unchanged").exists():
+                del self.paused[run_id]  # an operator cancelled it (or the run above it): it may stop
+                continue
             assert state == "paused", f"paused run {run_id} went {state} with no operator resume"
             assert Attempt.objects.filter(task__node__run_id=run_id).count() == attempts
             now = dict(RunNode.objects.filter(run_id=run_id).values_list("pk", "state"))
