@@ -237,9 +237,10 @@ def turn_interrupt(*, actor, turn_id, client: str = "api", reason: str | None = 
             return {"changed": False, "dispatched": False, "settled": turn.status == states.INTERRUPTED,
                     "status": turn.status, "stop_state": turn.stop_state}
         start = _start_command_of(turn.pk) if turn.status == states.PENDING else None
-        if turn.status == states.PENDING and (start is None or start.state in {states.CMD_PENDING,
-                                                                             states.CMD_DELIVERED}):
-            # Never started: settle at once; the daemon will not start it.
+        if turn.status == states.PENDING and (start is None or start.state == states.CMD_PENDING):
+            # Never sent: settle at once; the daemon will not start it.  A start already delivered may
+            # run (the daemon acks before it acts, and the ack may still be on its way): that daemon
+            # is asked below, and confirms the stop or answers "not held" (bridge).
             if start is not None:
                 services.command_set_state(command_id=start.pk, state=states.CMD_EXPIRED)
             turn = services.turn_set_status(turn_id=turn.pk, status=states.INTERRUPTED, reason=states.REASON_USER,

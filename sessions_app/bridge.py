@@ -391,7 +391,7 @@ def _settle_interrupt_not_held(command: ControlCommand) -> None:
     connection says nothing about the agent's process.
     """
     turn = Turn.objects.select_related("session").filter(pk=command.turn_id).first()
-    if turn is None or turn.status not in {states.RUNNING, states.REQUIRES_ACTION}:
+    if turn is None or turn.status not in {states.PENDING, states.RUNNING, states.REQUIRES_ACTION}:
         return
     if _runner_id(turn) != command.connection_id:
         log.warning("interrupt of turn %s answered 'not held' by %s, which does not run it; not settled",
@@ -400,9 +400,18 @@ def _settle_interrupt_not_held(command: ControlCommand) -> None:
     evidence = {"basis": "interrupt_not_held", "command": str(command.pk), "connection": str(command.connection_id),
                 "at": timezone.now().isoformat()}
     try:
-        services.turn_set_status(turn_id=turn.pk, status=states.INTERRUPTED, reason=states.REASON_USER,
-                                 stop_state=states.STOP_CONFIRMED, interrupt_evidence=evidence,
-                                 data={"evidence": evidence["basis"]})
+        with transaction.atomic():
+            if turn.status == states.PENDING:
+                # Its start was delivered but never taken (commands go in order: the daemon would hold
+                # it by now): withdrawn, so that a replay after a reconnect does not start it.
+                from .actions import _start_command_of
+
+                start = _start_command_of(turn.pk)
+                if start is not None and start.state in {states.CMD_PENDING, states.CMD_DELIVERED}:
+                    services.command_set_state(command_id=start.pk, state=states.CMD_EXPIRED)
+            services.turn_set_status(turn_id=turn.pk, status=states.INTERRUPTED, reason=states.REASON_USER,
+                                     stop_state=states.STOP_CONFIRMED, interrupt_evidence=evidence,
+                                     data={"evidence": evidence["basis"]})
     except ApplicationError:
         return  # its own report (ended, interrupted) got there first
     _dispatch_next(turn.session_id)

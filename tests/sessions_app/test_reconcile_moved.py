@@ -60,3 +60,36 @@ def test_a_turn_settled_offline_is_not_reopened_over_the_turn_sent_after_the_mov
     turn.refresh_from_db()
     assert (turn.status, turn.interrupted_reason) == ("interrupted", "offline")
     assert report(a, turn, status="ended", final_reply="late").status_code == 409
+
+
+def test_interrupt_of_a_turn_whose_start_was_delivered_but_not_acked_asks_the_daemon(operator):
+    """The daemon acks a start before it acts, and the ack may still be on its way (or lost with the
+    link): a start that was delivered may already run.  The stop is confirmed by the daemon, never
+    assumed (found by tests/test_invariants_stateful.py)."""
+    a = online(factories.make_connection(cwds=["/srv/a"]))
+    answer = actions.session_start(actor=operator, connection_id=a.pk, cwd="/srv/a", prompt="@sleep 60")
+    turn = Turn.objects.get(pk=answer["turn"])
+    [start] = bridge.commands_to_deliver(connection_id=a.pk)  # delivered; the daemon starts the agent
+    interrupted = actions.turn_interrupt(actor=operator, turn_id=turn.pk)
+    turn.refresh_from_db()
+    assert turn.stop_state != "confirmed" and interrupted["dispatched"] is True
+    interrupt = ControlCommand.objects.get(turn=turn, action="interrupt")
+    assert interrupt.connection_id == a.pk
+    # The daemon ran it: it stops it and says so.
+    assert report(a, turn, status="running", pid=4242).status_code == 200
+    assert report(a, turn, status="interrupted", reason="user", stop_state="confirmed").status_code == 200
+    turn.refresh_from_db()
+    assert (turn.status, turn.interrupted_reason, turn.stop_state) == ("interrupted", "user", "confirmed")
+
+
+def test_a_delivered_start_the_daemon_never_got_settles_on_its_not_held(operator):
+    a = online(factories.make_connection(cwds=["/srv/a"]))
+    answer = actions.session_start(actor=operator, connection_id=a.pk, cwd="/srv/a", prompt="@sleep 60")
+    turn = Turn.objects.get(pk=answer["turn"])
+    bridge.commands_to_deliver(connection_id=a.pk)  # delivered, but the link died before the daemon read it
+    actions.turn_interrupt(actor=operator, turn_id=turn.pk)
+    interrupt = ControlCommand.objects.get(turn=turn, action="interrupt")
+    bridge.command_result(connection_id=a.pk, command_id=interrupt.pk, result={"held": False})
+    turn.refresh_from_db()
+    assert (turn.status, turn.interrupted_reason, turn.stop_state) == ("interrupted", "user", "confirmed")
+    assert ControlCommand.objects.get(turn=turn, action="start_turn").state == "expired"  # never started later
