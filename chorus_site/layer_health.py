@@ -38,6 +38,8 @@ LAYER_LOST_CLOSE = 4503
 LAYER_CALL_TIMEOUT_S = 5.0
 # How often each process checks that Redis still holds what it held (see LayerHealth.watch).
 WATCH_S = 2.0
+# A watchdog read slower than this means Redis hangs: a failure like any other.
+WATCH_TIMEOUT_S = 5.0
 
 
 class LayerHealth:
@@ -86,11 +88,16 @@ class LayerHealth:
     async def _watch(self, layer) -> None:
         key = f"{layer.prefix}:chorus-epoch"
         mine, known = uuid.uuid4().hex, None
+        me = asyncio.current_task()
         while True:
+            if me.cancelling():
+                raise asyncio.CancelledError  # a cancellation swallowed inside a redis call
             try:
                 redis = layer.connection(0)
-                created = await redis.set(key, mine, nx=True)  # the first process after a loss sets it
-                current = await redis.get(key)
+                # The layer's connections have no socket timeout (see settings._layer_redis): a
+                # Redis that hangs without closing TCP is noticed here, by this bound.
+                created = await asyncio.wait_for(redis.set(key, mine, nx=True), WATCH_TIMEOUT_S)
+                current = await asyncio.wait_for(redis.get(key), WATCH_TIMEOUT_S)
                 if known is not None and (created or current != known):
                     self.failed(RuntimeError("Redis lost its data (restarted or flushed)"), "watch")
                 known = current

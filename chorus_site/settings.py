@@ -293,10 +293,13 @@ def _layer_redis(url: str) -> dict:
 
     return {
         "address": url,
-        # Longer than the layer's blocking read (BZPOPMIN, 5 s in channels_redis), or idle sockets
-        # are dropped every few seconds (redis-py 8 defaults to 5 s); finite, so a Redis that hangs
-        # without closing TCP shows as an error within 10 s instead of a follower waiting forever.
-        "socket_timeout": 10,
+        # No socket timeout: on Python 3.11 redis-py's read timeout (asyncio.timeout) can swallow a
+        # cancellation that arrives during a read, and channels_redis then loops in its blocking
+        # BZPOPMIN forever, so a consumer never finishes (its socket close hangs, and so does the
+        # event loop's shutdown).  A Redis that hangs without closing TCP is noticed instead by the
+        # process' layer watchdog (chorus_site/layer_health.py, a bounded read every 2 s), which
+        # tells every follower; keepalive catches a dead peer.
+        "socket_timeout": None,
         # Broadcasts run after commit inside requests: an unreachable Redis must fail fast.
         "socket_connect_timeout": 2,
         "socket_keepalive": True,
