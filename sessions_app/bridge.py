@@ -473,9 +473,11 @@ def _apply_advance(connection: Connection, turn_id, report: dict) -> dict:
                     Turn.objects.filter(pk=turn.pk).update(pid=int(report["pid"]))
                 return {"turn": str(turn.pk), "status": turn.status, "stop_state": turn.stop_state}
     session = turn.session
-    if (report.get("backend_session_id") and report["backend_session_id"] != session.backend_session_id
-            and _runner_id(turn) == session.connection_id):  # not from where the session moved away
-        Session.objects.filter(pk=session.pk).update(backend_session_id=str(report["backend_session_id"])[:255])
+    if report.get("backend_session_id") and report["backend_session_id"] != session.backend_session_id:
+        # Not from where the session moved away; the condition is in the UPDATE itself, so a move
+        # committing meanwhile (it clears the id) is not overwritten by a report read before it.
+        Session.objects.filter(pk=session.pk, connection_id=_runner_id(turn)).update(
+            backend_session_id=str(report["backend_session_id"])[:255])
     if status in (None, turn.status) and stop_state:
         # Stop progress only: signalled → escalated.
         turn = services.turn_set_stop_state(turn_id=turn.pk, stop_state=stop_state)
@@ -551,9 +553,10 @@ def _apply_events(connection: Connection, turn_id, events: list) -> dict:
         if not isinstance(raw, dict) or raw.get("kind") not in protocol.EVENT_KINDS:
             continue  # unknown kinds from newer daemons are skipped, not fatal
         data = raw.get("data") if isinstance(raw.get("data"), dict) else {}
-        if (raw["kind"] == protocol.EV_SESSION and data.get("id") and not turn.session.backend_session_id
-                and _runner_id(turn) == turn.session.connection_id):
-            Session.objects.filter(pk=turn.session_id).update(backend_session_id=str(data["id"])[:255])
+        if raw["kind"] == protocol.EV_SESSION and data.get("id") and not turn.session.backend_session_id:
+            # Conditional in SQL, as in _apply_advance: a move that commits meanwhile wins.
+            Session.objects.filter(pk=turn.session_id, connection_id=_runner_id(turn),
+                                   backend_session_id__isnull=True).update(backend_session_id=str(data["id"])[:255])
         # The agent's data sits under its own key: its ``id`` (a backend session id, a tool call id)
         # must not overwrite the turn's, which the timelines and the engine filter on.
         items.append({"kind": "turn.output", "data": {"id": str(turn.pk), "type": raw["kind"], "data": data}})
