@@ -15,22 +15,15 @@ from chorus_site.errors import ApplicationError
 from sessions_app import actions, bridge
 from sessions_app.models import Connection, ControlCommand, Session, Turn
 from tests import factories
+from tests.sessions_app.test_bridge_and_actions import online, report as bridge_report
 
 pytestmark = pytest.mark.django_db
 
 IDEA = "idea:moving"
 
 
-def online(connection: Connection) -> Connection:
-    Connection.objects.filter(pk=connection.pk).update(status="online", last_heartbeat_at=timezone.now())
-    connection.refresh_from_db()
-    return connection
-
-
 def report(connection, turn, **body):
-    body.setdefault("report_id", str(uuid.uuid4()))
-    return Client().post(f"/api/v1/daemon/turns/{turn.pk}/advance", data=json.dumps(body),
-                         content_type="application/json", HTTP_AUTHORIZATION=f"Bearer {connection.plain_key}")
+    return bridge_report(Client(), connection, turn, **body)
 
 
 @pytest.fixture

@@ -5,8 +5,6 @@ again.  The portal side alone, against PostgreSQL; tests/faults/test_daemon_trut
 
 from __future__ import annotations
 
-import json
-import uuid
 from datetime import timedelta
 
 import pytest
@@ -18,22 +16,15 @@ from chorus_site.models import AuditEntry, Event
 from sessions_app import actions, bridge
 from sessions_app.models import Connection, ControlCommand, Turn
 from tests import factories
+from tests.sessions_app.test_bridge_and_actions import online, report as bridge_report
 
 pytestmark = pytest.mark.django_db
 
 HELLO = {"version": "test", "backends": ["scripted"], "cwds": ["/srv/work"], "max_concurrency": 4}
 
 
-def online(connection: Connection) -> Connection:
-    Connection.objects.filter(pk=connection.pk).update(status="online", last_heartbeat_at=timezone.now())
-    connection.refresh_from_db()
-    return connection
-
-
 def report(connection, turn, **body):
-    body.setdefault("report_id", str(uuid.uuid4()))
-    return Client().post(f"/api/v1/daemon/turns/{turn.pk}/advance", data=json.dumps(body),
-                         content_type="application/json", HTTP_AUTHORIZATION=f"Bearer {connection.plain_key}")
+    return bridge_report(Client(), connection, turn, **body)
 
 
 def held(turn, pid=4242) -> dict:
