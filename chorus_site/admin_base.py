@@ -8,13 +8,14 @@ import uuid
 from django.contrib import admin
 from django.core.paginator import Paginator
 from django.db import connection
-from django.db.models import Q
+from django.db.models import DateTimeField, Q
 from django.utils.functional import cached_property
 from django.utils.html import format_html
 
 from .audit import audit_entries_for
 from .models import Event
 from .redaction import redact_data
+from .times import duration_html, when_html
 
 COUNT_CAP = 10_000
 
@@ -179,3 +180,39 @@ class OpsAdmin(admin.ModelAdmin):
     def changelist_view(self, request, extra_context=None):
         context = {"chorus_streams": list(self.live_streams), **(extra_context or {})}
         return super().changelist_view(request, extra_context=context)
+
+    # -- readable times in lists (issue 11 item 3)
+    def get_list_display(self, request):
+        """Every date-time column reads "3 min ago" (absolute on hover); a record with a start and an
+        end (started_at with ended_at or completed_at) gets a duration column, ticking while under way."""
+        columns = []
+        fields = {f.name: f for f in self.model._meta.concrete_fields}
+        end = next((name for name in ("ended_at", "completed_at") if name in fields), None)
+        wants_duration = "started_at" in fields and end is not None
+        for name in super().get_list_display(request):
+            field = fields.get(name) if isinstance(name, str) else None
+            columns.append(when_column(name, field.verbose_name) if isinstance(field, DateTimeField) else name)
+            if wants_duration and name == end:
+                columns.append(duration_column("started_at", end))
+                wants_duration = False
+        if wants_duration:
+            columns.append(duration_column("started_at", end))
+        return columns
+
+
+def when_column(name: str, label: str):
+    @admin.display(description=label, ordering=name)
+    def column(obj):
+        return when_html(getattr(obj, name))
+
+    column.__name__ = name  # the changelist's CSS class (column-started_at) stays the field's
+    return column
+
+
+def duration_column(start: str, end: str):
+    @admin.display(description="duration")
+    def column(obj):
+        return duration_html(getattr(obj, start), getattr(obj, end))
+
+    column.__name__ = "duration"
+    return column

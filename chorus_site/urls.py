@@ -2,6 +2,7 @@ from django.contrib import admin
 from django.urls import path
 from django.views.generic import RedirectView
 
+from . import dashboard
 from .api import api
 
 admin.site.site_header = "Chorus Ops"
@@ -10,6 +11,10 @@ admin.site.index_title = "Operations console"
 
 urlpatterns = [
     path("", RedirectView.as_view(url="/admin/", permanent=False)),
+    # The admin index is the operator's dashboard (before admin.site.urls: it answers /admin/ first).
+    path("admin/", admin.site.admin_view(dashboard.index_view), name="chorus_dashboard"),
+    path("admin/dashboard/summary.json", admin.site.admin_view(dashboard.summary_view),
+         name="chorus_dashboard_summary"),
     path("admin/", admin.site.urls),
     path("api/v1/", api.urls),
 ]

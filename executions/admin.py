@@ -10,6 +10,7 @@ from chorus_site.audit import audit_record
 from chorus_site.errors import ApplicationError
 
 from . import admin_views, selectors, states, troubleshooting, workflows
+from .attention import RunAttentionFilter
 from .models import AgentTask, Approval, Artifact, Attempt, Comment, Issue, Run, RunNode, WorkflowDefinition, WorkflowRevision
 
 
@@ -182,6 +183,9 @@ class RunAdmin(OpsAdmin):
     raw_id_fields = ["issue", "rerun_of", "parent_run", "parent_node", "workflow_revision"]
     live_streams = ("dashboard",)
     change_form_template = "admin/executions/run/change_form.html"
+
+    def get_list_filter(self, request):
+        return [RunAttentionFilter, *super().get_list_filter(request)]  # what the dashboard counts
 
     @admin.display(description="run", ordering="id")
     def short_id(self, obj):

@@ -9,6 +9,7 @@ from chorus_site.audit import audit_record
 from chorus_site.permissions import can_view_diagnostics
 
 from . import actions, admin_views, selectors
+from .attention import TurnAttentionFilter
 from .models import Connection, ControlCommand, Session, TranscriptMessage, Turn
 from .services import connection_register
 
@@ -121,6 +122,9 @@ class TurnAdmin(OpsAdmin):
     live_streams = ("dashboard",)
     change_form_template = "admin/sessions_app/turn/change_form.html"
     actions = ["interrupt_selected", "mark_interrupted_selected"]
+
+    def get_list_filter(self, request):
+        return [TurnAttentionFilter, *super().get_list_filter(request)]  # what the dashboard counts
 
     def get_urls(self):
         view = self.admin_site.admin_view
