@@ -13,6 +13,7 @@ from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
 from channels.security.websocket import AllowedHostsOriginValidator  # noqa: E402
 from django.conf import settings  # noqa: E402
 
+from chorus_site.presence import presence_keep  # noqa: E402
 from chorus_site.routing import daemon_urlpatterns, websocket_urlpatterns  # noqa: E402
 
 if settings.CHORUS_SERVE_STATIC:
@@ -29,6 +30,10 @@ async def websocket_app(scope, receive, send):
     app = daemon_websockets if scope["path"].startswith("/ws/daemon/") else browser_websockets
     return await app(scope, receive, send)
 
+
+# This process serves daemons: it says so while it is up, so the stale sweep (Celery) never takes
+# the silence of a portal outage for the daemons' (chorus_site/presence.py).
+presence_keep()
 
 application = ProtocolTypeRouter(
     {

@@ -111,3 +111,21 @@ class AuditEntry(models.Model):
 
     def __str__(self):
         return f"{self.actor} {self.action} {self.target}: {self.outcome}"
+
+
+class PortalPresence(models.Model):
+    """One row: the portal's daemon-facing side is up, and since when (chorus_site/presence.py).
+
+    Kept by every portal process; read by the stale sweep, which never judges a daemon's silence
+    while the portal itself could not hear it.
+    """
+
+    id = models.PositiveSmallIntegerField(primary_key=True, default=1, editable=False)
+    alive_at = models.DateTimeField()
+    up_since = models.DateTimeField()
+
+    class Meta:
+        verbose_name_plural = "portal presence"
+
+    def __str__(self):
+        return f"portal up since {self.up_since:%Y-%m-%d %H:%M:%S}, last seen {self.alive_at:%H:%M:%S}"

@@ -19,6 +19,7 @@ from django.db.models.expressions import RawSQL
 from django.utils import timezone
 
 from agents import protocol
+from chorus_site import presence
 from chorus_site.errors import ApplicationError
 from chorus_site.events import event_append, events_append_many
 from chorus_site.idempotency import idempotent_call
@@ -217,9 +218,22 @@ def connection_store_snapshot(*, connection_id, running: list, queued: list | No
 
 
 def connections_sweep_stale(*, now=None) -> dict:
-    """Mark connections with a stale heartbeat offline and settle their active turns ``offline``."""
+    """Mark connections with a stale heartbeat offline and settle their active turns ``offline``.
+
+    Only a silence the portal could have heard counts: while no portal process is up, and for one
+    threshold after one comes back, nobody is judged (chorus_site/presence.py).  Daemons wait out a
+    portal outage and reconnect; their turns were never lost (issue 7 item 8, SPEC §11 R9).
+    """
     now = now or timezone.now()
     cutoff = now - selectors.heartbeat_timeout()
+    pending_cutoff = now - PENDING_GRACE_FACTOR * selectors.heartbeat_timeout()
+    if not presence.silence_judged_since(cutoff, now=now):
+        up_since = presence.portal_up_since(now=now)
+        log.info("stale sweep: no daemon judged; the portal %s", "is down" if up_since is None
+                 else f"is back since {up_since.isoformat()}, less than a threshold")
+        # (Nor pending turns: their grace is longer still.)
+        return {"connections_offline": 0, "turns_settled": 0, "pending_settled": 0,
+                "portal_up_since": up_since.isoformat() if up_since else None}
     went_offline = 0
     for connection_id in Connection.objects.filter(status__in=[states.CONN_ONLINE, states.CONN_DRAINING]).filter(
             last_heartbeat_at__lt=cutoff).values_list("pk", flat=True):
@@ -246,7 +260,7 @@ def connections_sweep_stale(*, now=None) -> dict:
         except ApplicationError:
             pass  # the daemon's own report won the race
     return {"connections_offline": went_offline, "turns_settled": settled,
-            "pending_settled": _pending_turns_settle_gone(now - PENDING_GRACE_FACTOR * selectors.heartbeat_timeout())}
+            "pending_settled": _pending_turns_settle_gone(pending_cutoff)}
 
 
 def _pending_turns_settle_gone(cutoff) -> int:

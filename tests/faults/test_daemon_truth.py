@@ -2,17 +2,20 @@
 holds (SPEC §11).  Real daphne, a real Celery worker with beat (the stale sweep), the real daemon
 spawning the scripted agent, Redis of the test's own, PostgreSQL.
 
-The heartbeat threshold is the shortest the settings allow (CHORUS_HEARTBEAT_TIMEOUT_S=10), and each
-outage lasts until the sweep has settled what it settles: the portal has guessed "offline" — then
-the daemon comes back and its word must win.
+The heartbeat threshold is the shortest the settings allow (CHORUS_HEARTBEAT_TIMEOUT_S=10).  A daemon
+frozen or killed: the outage lasts until the sweep has settled what it settles (the portal has guessed
+"offline"), then the daemon comes back and its word must win.  The portal down: the sweep must guess
+nothing at all, however long the outage (SPEC §11 R9).
 """
 
 from __future__ import annotations
 
 import os
 import signal
+from datetime import timedelta
 
 import pytest
+from django.utils import timezone
 
 from chorus_site.models import Event
 from sessions_app.models import Connection, ControlCommand, Turn
@@ -61,30 +64,41 @@ def reconciled(turn) -> list[Event]:
     return list(Event.objects.filter(stream=turn.stream, kind="turn.reconciled", data__id=str(turn.pk)))
 
 
-def test_portal_down_past_the_threshold_every_live_turn_comes_back_and_its_end_lands(
+def test_portal_down_three_thresholds_no_live_turn_is_settled_offline_and_every_end_lands(
         short_heartbeat_timeout, fault_stack, tmp_path):
+    """SPEC §11 R9, issue 7 item 8: daphne down for 3 heartbeat thresholds while agents work; the
+    Celery sweep keeps running but judges no daemon's silence the portal could not hear."""
     stack = fault_stack
-    turn = start(stack, "@sleep 45\n@reply done")
-    wait_turn(turn, lambda t: t.status == "running", 30, "the agent to run")
+    during = start(stack, "@sleep 6\n@reply ended while the portal was down", idea_key="idea:during")
+    after = start(stack, "@sleep 45\n@reply done", idea_key="idea:after")
+    for turn in (during, after):
+        wait_turn(turn, lambda t: t.status == "running" and t.pid, 30, "the agents to run")
+    during_pid = Turn.objects.get(pk=during.pk).pid
     portal = stack["portal"]
     port = int(portal.rsplit(":", 1)[1])
     stop_process(portal.process)               # daphne goes down; Celery (and its sweep) keep running
-    wait_turn(turn, settled_offline, SWEPT_WITHIN_S, "the sweep to settle the turn offline while daphne is down")
+    connection = stack["connection"]
+    # The outage is the fault injected: it lasts until the daemon's last frame is 3 thresholds old.
+    wait_until(lambda: timezone.now() - Connection.objects.get(pk=connection.pk).last_heartbeat_at
+               > timedelta(seconds=3 * HEARTBEAT_TIMEOUT_S), timeout=3 * HEARTBEAT_TIMEOUT_S + 15,
+               message="an outage of 3 heartbeat thresholds")
+    assert not alive(during_pid)               # one agent ended meanwhile: its end report waits in the spool
     restarted = start_portal(port, tmp_path, name="daphne-restarted")
     try:
-        # The daemon is back within its (short) backoff; its snapshot lists the turn: it runs again.
-        back = wait_turn(turn, lambda t: t.status == "running", 30, "the daemon's snapshot to reopen the turn")
-        assert back.interrupted_reason == "" and back.ended_at is None
-        [event] = reconciled(turn)
-        assert event.data["evidence"]["basis"] in {"snapshot", "heartbeat"}
-        assert event.data["evidence"]["settled"]["interrupt_evidence"]["basis"] == "heartbeat_stale"
-        ended = wait_turn(turn, lambda t: t.status == "ended", 60, "the agent's end report")
-        assert ended.final_reply == "done"
-        statuses = [e.data["status"] for e in Event.objects.filter(stream=turn.stream, kind="turn.status",
-                                                                    data__id=str(turn.pk)).order_by("id")]
-        assert statuses == ["running", "interrupted", "running", "ended"]
+        for turn, reply in ((during, "ended while the portal was down"), (after, "done")):
+            ended = wait_turn(turn, lambda t: t.status == "ended", 60, "the agent's end report")
+            assert ended.final_reply == reply
+        assert stack["daemon"].process.poll() is None
+        for turn in (during, after):
+            # The event log, not only the final state: never settled offline, not even for a while.
+            statuses = [e.data["status"] for e in Event.objects.filter(stream=turn.stream, kind="turn.status",
+                                                                        data__id=str(turn.pk)).order_by("id")]
+            assert statuses == ["running", "ended"], statuses
+            assert not reconciled(turn)
         # every report landed: nothing is left in the daemon's spool
         wait_until(lambda: not list((tmp_path / "spool").glob("0*.json")), timeout=30, message="an empty spool")
+        # The sweep did run all along: it judged nobody while the portal was down.
+        assert "stale sweep: no daemon judged; the portal is down" in (tmp_path / "celery-beat.log").read_text()
     finally:
         stop_process(restarted)
 
