@@ -14,6 +14,13 @@ class ExecutionsConfig(AppConfig):
 
         on_turn_status(engine_on_turn_status)
 
+        # A turn settled offline whose attempt the engine has ended does not run again.
+        from sessions_app.listeners import on_turn_reopen
+
+        from .engine import turn_reopen_check
+
+        on_turn_reopen(turn_reopen_check)
+
         # Attempt turns carry their ids and a task token, so the agent can talk back.
         from sessions_app.listeners import on_turn_env
 

@@ -386,7 +386,31 @@ def _converge_attempts(run: Run) -> None:
             if attempt.task.status == "dispatched":
                 services.task_set_status(task_id=attempt.task_id, status="running")
         elif turn.status in {"ended", "interrupted", "merged"}:
-            _attempt_finished(run, attempt, turn)
+            # Decided under the turn's lock (run rows → session → turn): a reopen of a turn settled
+            # offline (its daemon still holds it) either committed first — it runs again — or waits
+            # and then sees this attempt ended, and refuses (turn_reopen_check).
+            turn = session_services.turn_lock(turn.pk)
+            if turn is not None and turn.status in {"ended", "interrupted", "merged"}:
+                _attempt_finished(run, attempt, turn)
+
+
+def turn_reopen_check(turn: Turn) -> str | None:
+    """Why a turn settled offline may not run again for its attempt (sessions_app.listeners.on_turn_reopen).
+
+    Once the engine has ended the attempt (failed on the settle: a new attempt follows after its
+    backoff, or the node failed; cancelled), the agent still working would do the work twice, or
+    work nobody waits for: its process is stopped instead.  Called under the turn's lock.
+    """
+    if not turn.attempt_id:
+        return None
+    attempt = Attempt.objects.filter(pk=turn.attempt_id).values("number", "state").first()
+    if attempt is None:
+        return None
+    if attempt["state"] in states.ATTEMPT_TERMINAL:
+        return f"attempt {attempt['number']} of its task already ended {attempt['state']}"
+    if Turn.objects.filter(attempt_id=turn.attempt_id, created_at__gt=turn.created_at).exists():
+        return f"attempt {attempt['number']} of its task went on in a later turn"
+    return None
 
 
 def _attempt_finished(run: Run, attempt: Attempt, turn: Turn) -> None:

@@ -254,21 +254,28 @@ def turn_interrupt(*, actor, turn_id, client: str = "api", reason: str | None = 
             raise ApplicationError("invalid_transition", f"a turn that is {turn.status_label} cannot be interrupted",
                                    {"status": turn.status})
         connection = selectors.turn_runner_connection(turn)  # not the session's: it may have moved since
-        timeout = connection.sigint_timeout_s
-        deadline = timezone.now() + timedelta(seconds=timeout + STOP_CONFIRM_MARGIN_S)
-        turn = services.turn_set_stop_state(turn_id=turn.pk, stop_state=states.STOP_REQUESTED, actor=actor,
-                                            stop_deadline_at=deadline)
-        command_send(connection_id=connection.pk, action=protocol.INTERRUPT, turn_id=turn.pk,
-                     payload={"sigint_timeout_s": timeout})
-        from .tasks import turn_stop_deadline
-
-        # A wake-up at the deadline; if it is lost (worker killed, broker down) stops_settle_overdue finds it.
-        run_later(turn_stop_deadline, args=[str(turn.pk), deadline.isoformat()],
-                  delay_s=timeout + STOP_CONFIRM_MARGIN_S)
+        turn, deadline = stop_ask(turn, connection, actor=actor)
         _audit(actor, "turn.interrupt", target, "stop requested", client=client, reason=reason,
                idempotency_key=idempotency_key)
     return {"changed": True, "dispatched": True, "settled": False, "status": turn.status,
             "stop_state": turn.stop_state, "deadline": deadline.isoformat()}
+
+
+def stop_ask(turn: Turn, connection: Connection, *, actor=None) -> tuple[Turn, datetime]:
+    """Ask ``connection``'s daemon to stop the turn's process: ``requested`` until that daemon
+    confirms (§4.1), ``unconfirmed`` past the deadline.  Inside the caller's transaction, under the
+    turn's lock."""
+    timeout = connection.sigint_timeout_s
+    deadline = timezone.now() + timedelta(seconds=timeout + STOP_CONFIRM_MARGIN_S)
+    turn = services.turn_set_stop_state(turn_id=turn.pk, stop_state=states.STOP_REQUESTED, actor=actor,
+                                        stop_deadline_at=deadline)
+    command_send(connection_id=connection.pk, action=protocol.INTERRUPT, turn_id=turn.pk,
+                 payload={"sigint_timeout_s": timeout})
+    from .tasks import turn_stop_deadline
+
+    # A wake-up at the deadline; if it is lost (worker killed, broker down) stops_settle_overdue finds it.
+    run_later(turn_stop_deadline, args=[str(turn.pk), deadline.isoformat()], delay_s=timeout + STOP_CONFIRM_MARGIN_S)
+    return turn, deadline
 
 
 STOPS_UNDER_WAY = [states.STOP_REQUESTED, states.STOP_SIGNALLED, states.STOP_ESCALATED]

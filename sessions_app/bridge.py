@@ -20,6 +20,7 @@ from django.utils import timezone
 
 from agents import protocol
 from chorus_site import presence
+from chorus_site import presence
 from chorus_site.errors import ApplicationError
 from chorus_site.events import event_append, events_append_many
 from chorus_site.idempotency import idempotent_call
@@ -37,6 +38,7 @@ COMMAND_TTL = timedelta(hours=1)
 # queued work (sessions_app.reconcile dispatches or re-sends it from the daemon's snapshot).  Past
 # this many heartbeat thresholds it is settled, so it never stays pending forever (issue 7 item 6).
 PENDING_GRACE_FACTOR = 3
+STOPS_UNDER_WAY = {states.STOP_REQUESTED, states.STOP_SIGNALLED, states.STOP_ESCALATED}
 
 
 def daemon_group(connection_id) -> str:
@@ -405,6 +407,14 @@ def _settle_interrupt_not_held(command: ControlCommand) -> None:
     connection says nothing about the agent's process.
     """
     turn = Turn.objects.select_related("session").filter(pk=command.turn_id).first()
+    if (turn is not None and turn.status == states.INTERRUPTED and turn.stop_state in STOPS_UNDER_WAY
+            and _runner_id(turn) == command.connection_id):
+        # A settled turn whose process its daemon held (reconcile.turn_stop_held): gone now, by its word.
+        try:
+            services.turn_set_stop_state(turn_id=turn.pk, stop_state=states.STOP_CONFIRMED)
+        except ApplicationError:
+            pass  # its own stop report got there first
+        return
     if turn is None or turn.status not in {states.PENDING, states.RUNNING, states.REQUIRES_ACTION}:
         return
     if _runner_id(turn) != command.connection_id:
@@ -486,6 +496,13 @@ def _apply_advance(connection: Connection, turn_id, report: dict) -> dict:
                 if report.get("pid") is not None:
                     Turn.objects.filter(pk=turn.pk).update(pid=int(report["pid"]))
                 return {"turn": str(turn.pk), "status": turn.status, "stop_state": turn.stop_state}
+        elif status in {protocol.RUNNING, protocol.REQUIRES_ACTION}:
+            # Not reopened (its session or its attempt went on without it): it stays settled and
+            # this daemon has been told to stop the process (reconcile.turn_stop_held).  The report
+            # is taken as the daemon's word that the process lives, not refused: a refusal would
+            # roll that stop back.
+            turn = services.turn_lock(turn.pk, related=("session",))
+            return {"turn": str(turn.pk), "status": turn.status, "stop_state": turn.stop_state}
     session = turn.session
     if report.get("backend_session_id") and report["backend_session_id"] != session.backend_session_id:
         # Not from where the session moved away; the condition is in the UPDATE itself, so a move

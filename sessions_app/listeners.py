@@ -50,3 +50,21 @@ def turn_status_changed(*, turn_id, attempt_id, status: str) -> None:
                 log.exception("turn listener %s failed", listener)
 
     transaction.on_commit(notify)
+
+
+_turn_reopen_checks: list[Callable] = []
+
+
+def on_turn_reopen(check: Callable) -> None:
+    """Register ``check(turn) -> str | None``: why a turn settled offline may not run again (its
+    work went on without it, e.g. the engine made a new attempt), or None."""
+    if check not in _turn_reopen_checks:
+        _turn_reopen_checks.append(check)
+
+
+def turn_reopen_refusal(turn) -> str | None:
+    for check in _turn_reopen_checks:
+        refusal = check(turn)
+        if refusal:
+            return refusal
+    return None

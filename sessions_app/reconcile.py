@@ -23,14 +23,14 @@ from django.db import transaction
 from django.utils import timezone
 from django.utils.dateparse import parse_datetime
 
-from chorus_site.audit import audit_record
+from chorus_site.audit import actor_name, audit_record
 from chorus_site.errors import ApplicationError
 from chorus_site.events import event_append
 
 from . import selectors, services, states
-from .actions import _start_command_of, session_dispatch
+from .actions import _start_command_of, session_dispatch, stop_ask
 from .bridge import command_send
-from .models import Session, Turn
+from .models import Connection, Session, Turn
 
 log = logging.getLogger(__name__)
 
@@ -51,12 +51,16 @@ def listed_turns(items) -> dict[str, dict]:
 
 
 # ---------------------------------------------------------------- held turns
+def _runner_id(turn: Turn):
+    return turn.connection_id or turn.session.connection_id
+
+
 def turn_reconcile_held(*, connection_id, turn_id, evidence: dict) -> bool:
     """Reopen an ``interrupted(offline)`` turn that the daemon running it says it holds; True if reopened."""
     turn = Turn.objects.select_related("session").filter(pk=turn_id).first()
     if turn is None or turn.status != states.INTERRUPTED or turn.interrupted_reason != states.REASON_OFFLINE:
         return False
-    runner = turn.connection_id or turn.session.connection_id
+    runner = _runner_id(turn)
     if runner != connection_id:
         # Only the daemon that runs the turn knows about its process (issue 7 item 9).
         log.warning("connection %s lists turn %s, which runs on %s; ignored", connection_id, turn.pk, runner)
@@ -70,7 +74,30 @@ def turn_reconcile_held(*, connection_id, turn_id, evidence: dict) -> bool:
                          reason="the portal had settled it offline while its daemon was away")
     except ApplicationError as error:
         log.info("turn %s not reopened: %s", turn.pk, error.message)
+        if error.code == "conflict":
+            turn_stop_held(connection_id=connection_id, turn_id=turn.pk, evidence=evidence, refusal=error.message)
         return False
+    return True
+
+
+def turn_stop_held(*, connection_id, turn_id, evidence: dict, refusal: str) -> bool:
+    """The daemon holds a process of a settled turn that may not run again (``refusal``): tell it to
+    stop it, explicitly and audited (issue 7 item 10: an interrupt always reaches a process a daemon
+    says it holds).  The turn stays settled; its stop is ``requested`` until that daemon confirms, and
+    ``unconfirmed`` past the deadline.  Once per settle: True if asked now."""
+    with transaction.atomic():
+        turn = services.turn_lock(turn_id, related=("session",))  # session → turn
+        if turn is None or turn.status != states.INTERRUPTED or _runner_id(turn) != connection_id:
+            return False
+        if turn.stop_state != states.STOP_NONE:
+            return False  # already asked (each heartbeat lists the process until it is gone)
+        turn, deadline = stop_ask(turn, Connection.objects.get(pk=connection_id))
+        event_append(stream=turn.stream, kind="turn.held_stop", actor=actor_name(None),
+                     data={"id": str(turn.pk), "connection": str(connection_id), "not_reopened": refusal,
+                           "evidence": evidence, "deadline": deadline.isoformat()})
+        audit_record(actor=None, action="turn.reconcile", target=f"turn:{turn.pk}",
+                     outcome="not reopened; its daemon is told to stop the process it holds", client="daemon",
+                     reason=refusal)
     return True
 
 

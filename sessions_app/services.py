@@ -19,7 +19,7 @@ from chorus_site.redaction import redact
 from chorus_site.transitions import transition
 
 from . import states
-from .listeners import turn_status_changed
+from .listeners import turn_reopen_refusal, turn_status_changed
 from .models import Connection, ControlCommand, Session, TranscriptMessage, Turn
 
 WAKE_ERROR_DETAILS_MAX = 64 * 1024
@@ -252,7 +252,10 @@ def turn_reopen_held(*, turn_id, evidence: dict) -> Turn:
     processes wins (SPEC §11).  The only transition out of a terminal status
     (``states.TURN_RECONCILE_TRANSITIONS``), recorded as ``turn.status`` and a ``turn.reconciled``
     event with the evidence and what the settle had recorded.  Refused (409) unless the turn is
-    ``interrupted(offline)``, and while another turn of its session runs: never two at once.
+    ``interrupted(offline)``, while another turn of its session runs (never two at once), and once
+    its work went on without it (``listeners.on_turn_reopen``: the engine already ended its attempt,
+    perhaps with a new one doing the same work).  A refusal is ``conflict``: the caller stops the
+    process instead (sessions_app.reconcile).
     """
     with transaction.atomic():
         turn = turn_lock(turn_id)  # session → turn
@@ -262,6 +265,12 @@ def turn_reopen_held(*, turn_id, evidence: dict) -> Turn:
         if turn.status != states.INTERRUPTED or turn.interrupted_reason != states.REASON_OFFLINE:
             raise ApplicationError("invalid_transition", f"a turn that is {turn.status_label} is not reopened",
                                    {"status": turn.status, "interrupted_reason": turn.interrupted_reason})
+        # Read under the turn's lock: the engine decides on a settled turn under the same lock, so
+        # either it saw this turn running again or this sees what it decided.
+        superseded = turn_reopen_refusal(turn)
+        if superseded:
+            raise ApplicationError("conflict", f"its work went on without it: {superseded}",
+                                   {"superseded": superseded})
         other = (Turn.objects.filter(session_id=session_id, status__in=[states.RUNNING, states.REQUIRES_ACTION])
                  .exclude(pk=turn.pk).values_list("pk", flat=True).first())
         if other is None:
