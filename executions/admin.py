@@ -9,7 +9,7 @@ from chorus_site.admin_base import OpsAdmin, live_badge
 from chorus_site.audit import audit_record
 from chorus_site.errors import ApplicationError
 
-from . import admin_views, selectors, states, troubleshooting, workflows
+from . import admin_views, selectors, services, states, troubleshooting, workflows
 from .attention import RunAttentionFilter
 from .models import AgentTask, Approval, Artifact, Attempt, Comment, Issue, Run, RunNode, WorkflowDefinition, WorkflowRevision
 
@@ -60,6 +60,24 @@ class IssueAdmin(OpsAdmin):
         inbox = self.admin_site.admin_view(lambda request: admin_views.inbox_view(self, request))
         reopen = self.admin_site.admin_view(lambda request, object_id: admin_views.issue_reopen_view(
             self, request, object_id))
+    def save_model(self, request, obj, form, change):
+        # Writing an issue is an operator action: audited as in the API (SPEC §3), created through
+        # the same service (its issue.created event); an edit writes only the fields it changed,
+        # never a status or version read a moment earlier.
+        if change:
+            if form.changed_data:
+                obj.save(update_fields=[*form.changed_data, "updated_at"])
+            audit_record(actor=request.user, action="issue.edit", target=f"issue:{obj.pk}", client="admin",
+                         outcome=f"changed {', '.join(form.changed_data)}" if form.changed_data else "unchanged")
+            return
+        issue = services.issue_create(title=obj.title, body=obj.body, acceptance_criteria=obj.acceptance_criteria,
+                                      completion_policy=obj.completion_policy, actor=request.user)
+        if obj.assignee_id:
+            Issue.objects.filter(pk=issue.pk).update(assignee_id=obj.assignee_id)
+        obj.pk, obj._state.adding = issue.pk, False
+        audit_record(actor=request.user, action="issue.create", target=f"issue:{issue.pk}", outcome="created",
+                     client="admin")
+
         return [path("inbox/", inbox, name="executions_issue_inbox"),
                 path("<path:object_id>/reopen/", reopen, name="executions_issue_reopen"),
                 path("<path:object_id>/start-run/", view, name="executions_issue_start_run")] + super().get_urls()
