@@ -102,5 +102,6 @@ def _keep(stopping: threading.Event) -> None:
             presence_refresh()
         except Exception:  # noqa: BLE001 — the database is away: the sweep then judges nobody
             log.warning("portal presence not refreshed", exc_info=True)
-            connection.close()  # this thread's own; a fresh one next time
+        finally:
+            connection.close()  # this thread's own: back to the pool (if any), never pinned between refreshes
         stopping.wait(REFRESH_S)
