@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-OPS_APPS = ("sessions_app", "executions")
+from django.contrib.auth.backends import ModelBackend
+
+OPS_APPS = ("sessions_app", "executions", "notifications")
 
 VIEWER, OPERATOR, DIAGNOSTICS, ADMIN = "ops_viewer", "ops_operator", "ops_diagnostics", "ops_admin"
 ROLES = (VIEWER, OPERATOR, DIAGNOSTICS, ADMIN)
@@ -101,3 +103,36 @@ def has_ops_role(user) -> bool:
 
 def can_view_diagnostics(user) -> bool:
     return bool(user and user.is_authenticated and user.is_active and user.has_perm(VIEW_DIAGNOSTICS))
+
+
+# ---------------------------------------------------------------- one query for a user's permissions
+def permissions_of(user_id) -> set[str]:
+    """Names ("app_label.codename") of the permissions a user holds directly or through a group."""
+    from django.contrib.auth.models import Permission
+    from django.db.models import F, Q, Value
+    from django.db.models.functions import Concat
+
+    return set(Permission.objects.filter(Q(user=user_id) | Q(group__user=user_id)).order_by()
+               .annotate(perm=Concat(F("content_type__app_label"), Value("."), F("codename")))
+               .values_list("perm", flat=True).distinct())
+
+
+def permissions_preload(user, names) -> None:
+    """Give ``user`` the permission names read with it (chorus_site/tokens.py) as ModelBackend caches
+    them (``_perm_cache``, read by ``get_all_permissions``): ``has_perm`` asks the database nothing more."""
+    if not user.is_superuser:  # a superuser's has_perm never reads them; its get_all_permissions is every one
+        user._perm_cache = set(names or ())
+
+
+class OneQueryModelBackend(ModelBackend):
+    """Django's ModelBackend, reading a user's permissions in one statement instead of two
+    (user permissions and group permissions): every API request and admin page checks one."""
+
+    def get_all_permissions(self, user_obj, obj=None):
+        if not user_obj.is_active or user_obj.is_anonymous or obj is not None:
+            return set()
+        if not hasattr(user_obj, "_perm_cache"):
+            if user_obj.is_superuser:
+                return super().get_all_permissions(user_obj, obj)
+            user_obj._perm_cache = permissions_of(user_obj.pk)
+        return user_obj._perm_cache

@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import datetime
 from uuid import UUID
 
-from ninja import Schema
+from chorus_site.api_output import ResponseSchema as Schema  # validated by pydantic-core alone (issue 9)
 
 
 class ConnectionOut(Schema):

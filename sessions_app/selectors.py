@@ -27,7 +27,8 @@ def connections_qs() -> QuerySet:
 
 
 def sessions_qs() -> QuerySet:
-    return Session.objects.select_related("connection", "created_by", "handoff_from").prefetch_related("handoff_to")
+    # handoff_to is the reverse one-to-one: joined like the others, not a second query per page.
+    return Session.objects.select_related("connection", "created_by", "handoff_from", "handoff_to")
 
 
 def turns_qs() -> QuerySet:
