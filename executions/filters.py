@@ -3,10 +3,15 @@
 import django_filters
 from django.db.models import Q
 
+from chorus_site.search import as_uuid, contains_any
 from sessions_app.states import choices
 
 from . import states
 from .models import Artifact, Attempt, Issue, Run
+
+
+# A runs search by issue title looks at the runs of at most this many matching issues.
+SEARCH_MAX_ISSUES = 1000
 
 
 class IssueFilter(django_filters.FilterSet):
@@ -19,7 +24,10 @@ class IssueFilter(django_filters.FilterSet):
         fields = ["status", "completion_policy"]
 
     def search(self, queryset, name, value):
-        return queryset.filter(Q(title__icontains=value) | Q(body__icontains=value))
+        # Indexed fields only (chorus_site/search.py): an id, or a substring of the title or body.
+        if (issue_id := as_uuid(value)) is not None:
+            return queryset.filter(pk=issue_id)
+        return queryset.filter(contains_any(value, "title", "body"))
 
 
 class RunFilter(django_filters.FilterSet):
@@ -35,7 +43,14 @@ class RunFilter(django_filters.FilterSet):
         fields = ["state", "mode", "issue"]
 
     def search(self, queryset, name, value):
-        return queryset.filter(Q(issue__title__icontains=value) | Q(failure_message__icontains=value))
+        # Indexed fields only (chorus_site/search.py): a run's or its issue's id, or a substring of
+        # its issue's title or its failure message. The issues are found first (their own trigram
+        # index): an OR across the join could use no index and read every run.
+        if (some_id := as_uuid(value)) is not None:
+            return queryset.filter(Q(pk=some_id) | Q(issue_id=some_id))
+        issue_ids = list(Issue.objects.filter(contains_any(value, "title")).values_list("id", flat=True)
+                         [:SEARCH_MAX_ISSUES])
+        return queryset.filter(Q(issue_id__in=issue_ids) | contains_any(value, "failure_message"))
 
 
 class AttemptFilter(django_filters.FilterSet):

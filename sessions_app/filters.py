@@ -3,6 +3,8 @@
 import django_filters
 from django.db.models import Q
 
+from chorus_site.search import as_uuid, contains_any
+
 from . import states
 from .models import Connection, Session, Turn
 
@@ -31,7 +33,11 @@ class SessionFilter(django_filters.FilterSet):
         fields = ["status", "backend", "connection", "cwd", "idea_key"]
 
     def search(self, queryset, name, value):
-        return queryset.filter(Q(title__icontains=value) | Q(idea_key__icontains=value) | Q(cwd__icontains=value))
+        # Indexed fields only (chorus_site/search.py): an id, an exact idea key, or a substring of
+        # 3+ characters of the title, idea key or cwd (trigram indexes).
+        if (session_id := as_uuid(value)) is not None:
+            return queryset.filter(pk=session_id)
+        return queryset.filter(Q(idea_key=value.strip()) | contains_any(value, "title", "idea_key", "cwd"))
 
 
 class TurnFilter(django_filters.FilterSet):
