@@ -118,6 +118,9 @@ class WsFollower(threading.Thread):
                     self.subscribed.set()
             elif message["type"] == "event":
                 self.received.add(message["event"]["stream"], message["event"]["id"])
+            elif message["type"] == "events":  # held agent output, sent as one frame (chorus_site/consumers.py)
+                for event in message["events"]:
+                    self.received.add(event["stream"], event["id"])
             elif message["type"] == "error":
                 self.errors.append(message)
         return "stopped"
