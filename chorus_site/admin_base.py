@@ -139,11 +139,12 @@ class OpsAdmin(admin.ModelAdmin):
             setattr(cls, f"{name}_redacted", _redacted_display(name))
 
     def get_exclude(self, request, obj=None):
-        return [*(super().get_exclude(request, obj) or []), *self.redacted_fields]
+        # Date-times are shown by readable_times() below, not as raw form values.
+        return [*(super().get_exclude(request, obj) or []), *self.redacted_fields, *datetime_names(self.model)]
 
     def get_readonly_fields(self, request, obj=None):
-        return ([f.name for f in self.model._meta.fields if f.name not in self.redacted_fields]
-                + [f"{name}_redacted" for name in self.redacted_fields] + list(self.readonly_fields))
+        return readable_times(self.model, [f.name for f in self.model._meta.fields if f.name not in self.redacted_fields]
+                              + [f"{name}_redacted" for name in self.redacted_fields] + list(self.readonly_fields))
 
     # -- timeline and live streams on the detail page
     def object_stream(self, obj) -> str | None:
@@ -198,6 +199,24 @@ class OpsAdmin(admin.ModelAdmin):
         if wants_duration:
             columns.append(duration_column("started_at", end))
         return columns
+
+
+def datetime_names(model) -> list[str]:
+    return [f.name for f in model._meta.concrete_fields if isinstance(f, DateTimeField)]
+
+
+def readable_times(model, names: list) -> list:
+    """A detail page's fields with each date-time read as "3 min ago" (absolute on hover) and, for a
+    record with a start and an end, its duration after the end."""
+    fields = {f.name: f for f in model._meta.concrete_fields}
+    end = next((name for name in ("ended_at", "completed_at") if name in fields), None)
+    shown = []
+    for name in names:
+        field = fields.get(name) if isinstance(name, str) else None
+        shown.append(when_column(name, field.verbose_name) if isinstance(field, DateTimeField) else name)
+        if name == end and "started_at" in fields:
+            shown.append(duration_column("started_at", end))
+    return shown
 
 
 def when_column(name: str, label: str):

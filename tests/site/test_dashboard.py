@@ -193,3 +193,12 @@ def test_lists_show_relative_times_and_durations(client, viewer):
     assert '<span class="chorus-duration"' in page and ">2 m 14 s</span>" in page
     assert '<time class="chorus-timer"' in page and "running for 10 m" in page
     assert "10 min ago" in page and 'title="' + started.astimezone(dt_timezone.utc).strftime("%Y-%m-%d %H:%M") in page
+
+
+def test_detail_pages_read_times_and_durations(client, viewer):
+    started = timezone.now() - timedelta(minutes=10)
+    turn = factories.make_turn(status="ended", started_at=started, ended_at=started + timedelta(seconds=134))
+    _login(client, viewer)
+    page = client.get(f"/admin/sessions_app/turn/{turn.pk}/change/").content.decode()
+    assert "10 min ago" in page and ">2 m 14 s</span>" in page  # started, and the duration after ended
+    assert page.count('<time class="chorus-when"') >= 3  # created, started, ended (and the timeline's)

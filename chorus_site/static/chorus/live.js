@@ -56,8 +56,9 @@
     [String(event.id), event.at.replace("T", " ").slice(0, 19), event.kind, event.actor || "system",
      JSON.stringify(event.data)].forEach(function (text, i) {
       var cell = document.createElement("td");
-      var inner = (i === 2 || i === 4) ? document.createElement("code") : cell;
+      var inner = (i === 2 || i === 4) ? document.createElement("code") : i === 1 ? document.createElement("time") : cell;
       inner.textContent = text;
+      if (i === 1) { inner.className = "chorus-when"; inner.setAttribute("datetime", event.at); }  // times.js: "3 s ago"
       if (inner !== cell) { if (i === 4) inner.className = "chorus-data"; cell.appendChild(inner); }
       row.appendChild(cell);
     });
