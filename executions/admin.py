@@ -60,6 +60,10 @@ class IssueAdmin(OpsAdmin):
         inbox = self.admin_site.admin_view(lambda request: admin_views.inbox_view(self, request))
         reopen = self.admin_site.admin_view(lambda request, object_id: admin_views.issue_reopen_view(
             self, request, object_id))
+        return [path("inbox/", inbox, name="executions_issue_inbox"),
+                path("<path:object_id>/reopen/", reopen, name="executions_issue_reopen"),
+                path("<path:object_id>/start-run/", view, name="executions_issue_start_run")] + super().get_urls()
+
     def save_model(self, request, obj, form, change):
         # Writing an issue is an operator action: audited as in the API (SPEC §3), created through
         # the same service (its issue.created event); an edit writes only the fields it changed,
