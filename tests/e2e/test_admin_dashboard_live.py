@@ -1,7 +1,8 @@
 """In a real browser, on the real stack (daphne, Celery with beat, chorus_daemon running the scripted
 agent): the dashboard's counts change live when a turn fails and when a stop goes unconfirmed, the
-turn changelist gains a row live, and a running turn's timer ticks — all without a reload, with a
-clean CSP (issue 11 items 1-3).  One stack for the whole module: the steps run in one test."""
+turn changelist gains a row live (also one made while the portal was down, once the socket is
+back), and a running turn's timer ticks — all without a reload, with a clean CSP (issue 11 items
+1-3).  One stack for the whole module: the steps run in one test."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ import pytest
 from playwright.sync_api import expect
 
 from sessions_app.models import Turn
-from tests.e2e.conftest import admin_login, wait_until
+from tests import factories
+from tests.e2e.conftest import admin_login, start_portal, stop_process, wait_online, wait_until
 
 pytestmark = [pytest.mark.browser, pytest.mark.django_db(transaction=True)]
 
@@ -54,6 +56,16 @@ def test_dashboard_counts_changelist_rows_and_timers_follow_the_stack_live(bridg
     first = timer.inner_text()
     wait_until(lambda: timer.inner_text() != first, timeout=10, message="the timer to tick")
     assert timer.get_attribute("title").startswith("since ")
+
+    # The portal goes away and comes back: a turn made meanwhile (its live message went to nobody)
+    # is in the list once the page's socket is back — it re-reads on reconnect.
+    stop_process(portal.process)
+    expect(turns.locator("#chorus-live-status")).to_have_attribute("data-state", "offline", timeout=15_000)
+    missed = factories.make_turn(session=factories.make_session(connection=bridge["connection"]))
+    portal.process = start_portal(int(portal.rsplit(":", 1)[1]), tmp_path)
+    expect(turns.locator(f'#result_list tr:has(input.action-select[value="{missed.pk}"])')).to_have_count(
+        1, timeout=30_000)
+    wait_online(bridge["connection"])
 
     # A failing turn: the dashboard's count moves without a reload.
     crash = _start(bridge, "@stderr failing now\n@exit 3")
