@@ -5,7 +5,8 @@
 Runs tests/chorus_site/test_canaries.py (the real stack: daphne, a Celery worker with beat, the
 daemon and the scripted agent, on a test database pytest-django creates from DATABASE_URL) and
 prints what it measured: how many canaries, how many places were searched (every table, admin
-pages and API routes per role, raw exports, logs, the daemon's spool, Redis), in how many
+pages and API routes per role, raw exports, logs, the daemon's spool, Redis, and live: WebSocket
+and SSE frames per role, Redis commands, Celery task arguments), in how many
 canary × place pairs a secret was found (with where), and where the ordinary control text was
 found (proof that the search reaches the agent's output).  Exit status: pytest's.
 """

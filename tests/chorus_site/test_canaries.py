@@ -12,7 +12,9 @@ Then it searches every place a secret could reach: every row of every table, eve
 and every GET route of the API as each role (the raw views ops_diagnostics may open included),
 the troubleshooting exports (redacted, and raw for ops_diagnostics), the portal's, the daemon's
 and Celery's logs, the daemon's spool directory and the Redis database (Celery's broker and the
-channel layer).  Figure: canaries × places found — 0 everywhere, the raw views too, because
+channel layer); and live, while the agent runs: every /ws/live/ frame and every SSE frame each
+role receives, every command sent to the Redis database and the arguments of every Celery task
+published (tests/secret_search.py ``LiveCapture``).  Figure: canaries × places found — 0 everywhere, the raw views too, because
 storage is masked (SPEC §7).  ``bench/canaries.py`` runs this module and prints the figure as JSON
 (``CANARY_REPORT`` names the file it is written to).
 """
@@ -30,6 +32,7 @@ import time
 from pathlib import Path
 
 import pytest
+from django.conf import settings
 from django.contrib import admin
 from django.test import Client
 from django.urls import NoReverseMatch, reverse
@@ -41,7 +44,7 @@ from sessions_app.models import Turn
 from tests.e2e.conftest import (  # noqa: F401 — fixtures
     bridge, celery_beat_worker, kill_group, portal_server, wait_until, workspace,
 )
-from tests.secret_search import database_texts
+from tests.secret_search import LiveCapture, database_texts
 
 pytestmark = [pytest.mark.django_db(transaction=True)]
 
@@ -132,6 +135,7 @@ RUN_PROMPT = """@cat out.txt
 @comment {file:comment.txt}
 @artifact notes.md {file:artifact.txt}
 @background 120 {file:arg.txt}
+@reply {file:summary.txt}
 @outcome failed
 @exit 3
 {file:summary.txt}"""
@@ -208,20 +212,35 @@ def file_texts(root: Path) -> str:
     return "\n".join(p.read_text(errors="replace") for p in root.rglob("*") if p.is_file()) if root.exists() else ""
 
 
-def scenario(bridge, operator, tmp_path) -> dict:
+def follow_live(capture: LiveCapture, *, session_ids=(), run_ids=()):
+    """Every role follows these sessions and runs live, on its socket and by SSE, from their first event."""
+    capture.follow(streams=[f"session:{s}" for s in session_ids] + [f"run:{r}" for r in run_ids],
+                   sse_paths=[f"/api/v1/sessions/{s}/events/stream?after=0" for s in session_ids]
+                   + [f"/api/v1/runs/{r}/events/stream?after=0" for r in run_ids])
+
+
+def scenario(bridge, operator, tmp_path, capture: LiveCapture) -> dict:
     api_client, workspace = bridge["api"], bridge["workspace"]
     secrets, files = canaries(bridge["key"], api_client.token)
     for name, text in files.items():
         (workspace / name).write_text(text)
     status, issue = api_client.call("POST", "/issues", {"title": "Deploy the service", "body": "Deploy it."})
     assert status == 201, issue
+    capture.follow(streams=[f"issue:{issue['id']}", f"connection:{bridge['connection'].pk}"])
     status, started = api_client.call("POST", "/runs", {
         "issue": issue["id"], "mode": "direct", "target": {"connection": str(bridge["connection"].pk)},
         "input": {"prompt": RUN_PROMPT}})
     assert status == 201, started
+    follow_live(capture, run_ids=[started["run"]])
     status, session = api_client.call("POST", "/sessions", {
         "connection": str(bridge["connection"].pk), "cwd": str(workspace), "prompt": "@require-approval {file:ra.txt}"})
     assert status == 201, session
+    follow_live(capture, session_ids=[session["session"]])
+    # The attempt's own session, as soon as the run has one (its stream is followed from its start).
+    task_session = wait_until(lambda: Attempt.objects.filter(task__node__run_id=started["run"])
+                              .exclude(session_id=None).values_list("session_id", flat=True).first(),
+                              timeout=60, message="the attempt's session")
+    follow_live(capture, session_ids=[task_session])
     run = wait_until(lambda: (r := Run.objects.get(pk=started["run"])).state in {"failed", "succeeded"} and r,
                      timeout=60, message="the run to end")
     attempt = Attempt.objects.get(task__node__run=run)
@@ -272,9 +291,24 @@ def figure(secrets: dict[str, list[str]], texts: dict[str, str]) -> dict:
             "by_canary": found, "place_names": sorted(texts)}
 
 
+def live_capture(bridge, personas) -> LiveCapture:
+    """Each role signed in (a session cookie for /ws/live/, an API token for SSE) before the agent starts."""
+    roles = {}
+    for name in PERSONAS:
+        client = Client()
+        client.force_login(personas[name])
+        roles[name] = (client.cookies[settings.SESSION_COOKIE_NAME].value,
+                       token_create(user=personas[name], name="canary-live")[1])
+    return LiveCapture(bridge["portal"], roles, os.environ["REDIS_URL"]).start()
+
+
 def test_no_canary_reaches_any_place(bridge, operator, personas, tmp_path):
     started = time.monotonic()
-    world = scenario(bridge, operator, tmp_path)
+    capture = live_capture(bridge, personas)
+    try:
+        world = scenario(bridge, operator, tmp_path, capture)
+    finally:
+        live = capture.stop()
     scenario_s = time.monotonic() - started
     try:
         secrets = world["secrets"]
@@ -288,7 +322,12 @@ def test_no_canary_reaches_any_place(bridge, operator, personas, tmp_path):
         assert Artifact.objects.filter(name="notes.md").exists()
         assert world["run"].issue.comments.filter(body__startswith="progress: SLACK_BOT_TOKEN=").exists()
         started = time.monotonic()
-        texts = places(bridge, world, personas, tmp_path)
+        texts = {**places(bridge, world, personas, tmp_path), **live}
+        # The live capture reached what the agent printed and what Celery was asked to do.
+        for name in PERSONAS:
+            assert f"{CONTROL}-stdout" in texts[f"ws frames ({name})"], name
+            assert f"{CONTROL}-stdout" in texts[f"sse frames ({name})"], name
+        assert str(world["run"].pk) in texts["celery task arguments"]
         search_s = time.monotonic() - started
         assert "[REDACTED]" in texts["db:chorus_site_event"]
         result = figure(secrets, texts)
