@@ -316,6 +316,15 @@ def _layer_redis(url: str) -> dict:
     }
 
 
+# Django's cache holds the throttle counters (chorus_site/throttling.py). Outside embedded mode the
+# portal processes share them in Redis (chorus_site/cache.py: local memory while Redis fails);
+# embedded mode is one process and keeps the default local-memory cache.
+if REDIS_URL and not EMBEDDED:
+    CACHES = {"default": {
+        "BACKEND": "chorus_site.cache.SharedCache", "LOCATION": REDIS_URL, "KEY_PREFIX": "chorus-cache",
+        "OPTIONS": {"socket_connect_timeout": 1, "socket_timeout": 1},
+    }}
+
 if REDIS_URL:
     CHANNEL_LAYERS = {
         "default": {

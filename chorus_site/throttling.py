@@ -11,7 +11,8 @@ Two throttles, both django-ninja's ``SimpleRateThrottle`` (a sliding window kept
   until the window has passed — also for a correct credential, so guessing cannot continue.
 
 The admin login is protected by django-axes (settings ``AXES_*``).  The counters live in Django's
-cache: the default local-memory cache counts per portal process.
+cache: outside embedded mode Redis, shared by every portal process (chorus_site/cache.py, which
+counts per process only while Redis fails); in embedded mode (one process) local memory.
 """
 
 from __future__ import annotations

@@ -42,8 +42,10 @@ def _fast_password_hashing():
 
 @pytest.fixture(autouse=True)
 def _fresh_throttles():
-    """Throttle counters (API callers, failed credentials) live in the local-memory cache: every
-    test starts with none, so one test's wrong tokens never turn another's 401 into a 429."""
+    """Throttle counters (API callers, failed credentials) live in Django's cache (Redis outside
+    embedded mode, shared with the test's portal processes): every test starts with none, so one
+    test's wrong tokens never turn another's 401 into a 429.  Only the cache's own keys are cleared
+    (chorus_site/cache.py), never the broker's or the channel layer's."""
     from django.core.cache import cache
 
     cache.clear()
