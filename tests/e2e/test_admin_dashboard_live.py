@@ -6,7 +6,9 @@ back), and a running turn's timer ticks — all without a reload, with a clean C
 
 from __future__ import annotations
 
+import os
 import signal
+from pathlib import Path
 
 import pytest
 from playwright.sync_api import expect
@@ -86,6 +88,15 @@ def test_dashboard_counts_changelist_rows_and_timers_follow_the_stack_live(bridg
     # "signalled" step, which the portal refuses after "unconfirmed" (409), holding the confirmation
     # back — a bridge issue, reported separately.
     assert dashboard.evaluate("window.__noReload") == 1 and turns.evaluate("window.__noReload") == 1
-    dashboard.screenshot(path=str(tmp_path / "dashboard.png"), full_page=True)
-    turns.screenshot(path=str(tmp_path / "turns-live.png"), full_page=True)
     assert csp_errors == []
+    # docs/operators.md's screenshots (CHORUS_DOCS_IMAGES=docs/images), light and dark.
+    shots = Path(os.environ.get("CHORUS_DOCS_IMAGES") or tmp_path)
+    turns.set_viewport_size({"width": 1900, "height": 700})  # every column, the times and durations too
+    for scheme in ("light", "dark"):
+        for page in (dashboard, turns):
+            page.emulate_media(color_scheme=scheme)
+            page.reload()  # the charts take their colours from the theme at load
+            expect(page.locator("#chorus-live-status")).to_have_attribute("data-state", "live", timeout=15_000)
+        suffix = "" if scheme == "light" else "-dark"
+        dashboard.locator("#chorus-dashboard").screenshot(path=str(shots / f"ops-dashboard{suffix}.png"))
+        turns.screenshot(path=str(shots / f"ops-turns-live{suffix}.png"))
