@@ -202,3 +202,17 @@ def test_detail_pages_read_times_and_durations(client, viewer):
     page = client.get(f"/admin/sessions_app/turn/{turn.pk}/change/").content.decode()
     assert "10 min ago" in page and ">2 m 14 s</span>" in page  # started, and the duration after ended
     assert page.count('<time class="chorus-when"') >= 3  # created, started, ended (and the timeline's)
+
+
+def test_the_run_page_shows_each_attempts_duration(client, viewer):
+    started = timezone.now() - timedelta(minutes=5)
+    run, _node, _task, attempt = factories.make_run_graph(run_state="running", attempt_state="running")
+    factories.make_attempt(task=_task, state="failed", started_at=started, ended_at=started + timedelta(seconds=134))
+    from executions.models import Attempt
+
+    Attempt.objects.filter(pk=attempt.pk).update(started_at=started)
+    _login(client, viewer)
+    page = client.get(f"/admin/executions/run/{run.pk}/change/").content.decode()
+    task_map = page.split('id="chorus-task-map"', 1)[1]
+    assert ">2 m 14 s</span>" in task_map  # the failed attempt took 2 m 14 s
+    assert '<time class="chorus-timer"' in task_map and "running for 5 m" in task_map  # the running one ticks
