@@ -6,6 +6,7 @@ import json
 import uuid
 
 from django.contrib import admin
+from django.core.exceptions import ValidationError
 from django.core.paginator import Paginator
 from django.db import connection
 from django.db.models import DateTimeField, Q
@@ -13,6 +14,7 @@ from django.utils.functional import cached_property
 from django.utils.html import format_html
 
 from .audit import audit_entries_for
+from .ids import short_id
 from .models import Event
 from .redaction import redact_data
 from .times import duration_html, when_html
@@ -83,6 +85,13 @@ def live_badge(obj, field: str = "status", label: str | None = None):
     )
 
 
+def id_cell(value):
+    """An id as people read it: the distinguishing tail, the whole id on hover (and to copy)."""
+    if not value:
+        return "–"
+    return format_html('<span class="chorus-id" title="{}">{}</span>', value, short_id(value))
+
+
 def _redacted_display(name: str):
     @admin.display(description=f"{name} (redacted)")
     def show(self, obj):
@@ -107,6 +116,23 @@ class OpsAdmin(admin.ModelAdmin):
     def has_add_permission(self, request):
         return False
 
+    # Related rows whose names __str__ uses (breadcrumbs, page title): loaded with the object.
+    detail_select_related: tuple[str, ...] = ()
+
+    def get_object(self, request, object_id, from_field=None):
+        if not self.detail_select_related:
+            return super().get_object(request, object_id, from_field)
+        queryset = self.get_queryset(request).select_related(*self.detail_select_related)
+        field = self.model._meta.pk if from_field is None else self.model._meta.get_field(from_field)
+        try:
+            return queryset.get(**{field.name: field.to_python(object_id)})
+        except (self.model.DoesNotExist, ValidationError, ValueError):
+            return None
+
+    @admin.display(description="id", ordering="id")
+    def id_short(self, obj):
+        return id_cell(obj.pk)
+
     def get_search_results(self, request, queryset, search_term):
         term = search_term.strip()
         if self.uuid_search_fields and term:
@@ -118,6 +144,13 @@ class OpsAdmin(admin.ModelAdmin):
                 condition = Q()
                 for field in self.uuid_search_fields:
                     condition |= Q(**{field: value})
+                # Exact-match text fields too: an agent's own session id is often a UUID
+                # (Claude Code's), and the page shows it to be searched for.
+                for field in self.search_fields or ():
+                    if field.startswith("="):
+                        condition |= Q(**{f"{field[1:]}__iexact": term})
+                    elif field.endswith("__exact"):
+                        condition |= Q(**{field: term})
                 return queryset.filter(condition), False
         if not self.search_fields:
             return queryset, False

@@ -32,3 +32,12 @@ def uuid7() -> uuid.UUID:
     value |= 0b10 << 62  # variant
     value |= rand & ((1 << 62) - 1)
     return uuid.UUID(int=value)
+
+
+def short_id(value) -> str:
+    """The part of an id to show people: its random tail.
+
+    The head of a time-ordered id is its creation time, so ids made within a second share their
+    first 8 characters; the last 8 hex digits come from the random (counter) bits and differ.
+    """
+    return "…" + str(value)[-8:] if value else "–"

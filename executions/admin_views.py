@@ -16,10 +16,10 @@ from . import actions, engine
 from .models import WorkflowRevision
 
 RUN_ACTIONS = {
-    "pause": ("Pause", "No new node is dispatched; attempts already running go on (pausing freezes no process).",
+    "pause": ("Pause run", "No new node is dispatched; attempts already running go on (pausing freezes no process).",
               actions.run_pause),
-    "resume": ("Resume", "Dispatch continues where it stopped.", actions.run_resume),
-    "cancel": ("Cancel", "Every active attempt is interrupted (graceful stop, then its process tree is killed); "
+    "resume": ("Resume run", "Dispatch continues where it stopped.", actions.run_resume),
+    "cancel": ("Cancel run", "Every active attempt is interrupted (graceful stop, then its process tree is killed); "
                          "the run becomes cancelled when all are finished. The issue is not accepted.",
                actions.run_cancel),
     "rerun": ("Rerun", "A new run of the same issue, mode, revision and input, linked with rerun_of. "
@@ -61,7 +61,7 @@ def run_action_view(admin, request, object_id, name):
             messages.success(request, f"{label}: the run is {answer['state']}.")
         return HttpResponseRedirect(url)
     return _page(admin, request, run, {
-        "title": f"{label} run {str(run.pk)[:8]}?", "action_label": label, "danger": name == "cancel",
+        "title": f"{label}: {run}?", "action_label": label, "danger": name == "cancel",
         "touched": [f"Run {run.pk} of “{run.issue}” ({run.state})", meaning]})
 
 
@@ -175,7 +175,7 @@ def run_signal_view(admin, request, object_id):
                              else "No node was waiting for that signal.")
         return HttpResponseRedirect(url)
     return _page(admin, request, run, {
-        "title": f"Deliver a signal to run {str(run.pk)[:8]}", "action_label": "Deliver signal",
+        "title": f"Deliver a signal to {run}", "action_label": "Deliver signal",
         "touched": [f"Nodes waiting for it continue. Waiting now for: {', '.join(waiting) or 'no signal'}."],
         "fields": [("name", "Signal name", "text", waiting[0] if waiting else "")]})
 

@@ -3,7 +3,7 @@
 from django.conf import settings
 from django.db import models
 
-from chorus_site.ids import uuid7
+from chorus_site.ids import short_id, uuid7
 from chorus_site.permissions import ACTION_PERMISSIONS
 from sessions_app.models import Connection, Session, Turn
 from sessions_app.states import BACKENDS, choices
@@ -108,7 +108,9 @@ class Run(models.Model):
         permissions = _perms("run")
 
     def __str__(self):
-        return f"{self.mode} run {str(self.id)[:8]} of {self.issue_id}"
+        # Related names only when loaded (no query of its own: listed on large changelists).
+        of = f" of {self.issue}" if Run.issue.is_cached(self) else ""
+        return f"{self.mode} run {short_id(self.id)}{of}"
 
     @property
     def stream(self) -> str:
@@ -158,7 +160,8 @@ class AgentTask(models.Model):
         permissions = _perms("agenttask")
 
     def __str__(self):
-        return f"task {self.ordinal} ({str(self.pk)[:8]})"  # no join: listed on large changelists
+        of = f" of {self.node.key}" if AgentTask.node.is_cached(self) else ""  # no join of its own
+        return f"task {self.ordinal} {short_id(self.pk)}{of}"
 
 
 class Attempt(models.Model):
@@ -191,7 +194,8 @@ class Attempt(models.Model):
         ordering = ["-id"]
 
     def __str__(self):
-        return f"attempt {self.number} of {self.task_id}"
+        of = self.task if Attempt.task.is_cached(self) else f"task {short_id(self.task_id)}"
+        return f"attempt {self.number} of {of}"
 
 
 class Approval(models.Model):
@@ -215,7 +219,7 @@ class Approval(models.Model):
         permissions = _perms("approval")
 
     def __str__(self):
-        return f"approval {str(self.id)[:8]} ({self.status})"
+        return f"approval {short_id(self.id)} ({self.status})"
 
 
 class Comment(models.Model):

@@ -3,5 +3,5 @@ from django.apps import AppConfig
 
 class SessionsAppConfig(AppConfig):
     name = "sessions_app"
-    verbose_name = "Sessions"
+    verbose_name = "Agents"  # "Home › Agents › Sessions", not "Sessions › Sessions"
     default_auto_field = "django.db.models.BigAutoField"
