@@ -414,6 +414,7 @@ def turn_reopen_check(turn: Turn) -> str | None:
 
 
 def _attempt_finished(run: Run, attempt: Attempt, turn: Turn) -> None:
+    _attempt_keep_provider_session_id(attempt, turn)
     outcome = {k: v for k, v in (attempt.outcome or {}).items() if v} or turn_outcome(turn)
     task, node = attempt.task, attempt.task.node
     if attempt.state == "preparing":  # the turn ran and ended between two ticks
@@ -471,6 +472,15 @@ def _attempt_finished(run: Run, attempt: Attempt, turn: Turn) -> None:
         return
     services.task_set_status(task_id=task.pk, status="failed", error=message)
     _node_failed_or_retry(node, task, message)
+
+
+def _attempt_keep_provider_session_id(attempt: Attempt, turn: Turn) -> None:
+    """The agent's own session id, learnt while the turn ran (unknown when a fresh attempt was
+    dispatched), is the attempt's too: its page and record name it, not "-"."""
+    known = Session.objects.filter(pk=turn.session_id).values_list("backend_session_id", flat=True).first()
+    if known and known != attempt.provider_session_id:
+        Attempt.objects.filter(pk=attempt.pk).update(provider_session_id=known)
+        attempt.provider_session_id = known
 
 
 def _failure_of(turn: Turn, outcome: dict, infra: bool) -> tuple[str, str]:

@@ -175,8 +175,19 @@ def md_cell(value) -> str:
     if value is None or value == "" or value == {} or value == []:
         return "–"
     if isinstance(value, (dict, list)):
-        value = json.dumps(value, ensure_ascii=False, cls=DjangoJSONEncoder)
+        # Readable, not JSON: json.dumps would print a multi-line summary with a literal "\n".
+        value = _md_plain(value)
     return str(value).replace("\\", "\\\\").replace("|", "\\|").replace("\r", " ").replace("\n", " ")
+
+
+def _md_plain(value) -> str:
+    if isinstance(value, dict):
+        return "; ".join(f"{k}: {_md_plain(v)}" for k, v in value.items() if v not in (None, "", [], {}))
+    if isinstance(value, list):
+        return ", ".join(_md_plain(v) for v in value)
+    if isinstance(value, str):
+        return value
+    return json.dumps(value, ensure_ascii=False, cls=DjangoJSONEncoder).strip('"')
 
 
 def md_table(headers: list[str], rows: list[list]) -> list[str]:

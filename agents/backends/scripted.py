@@ -38,7 +38,10 @@ class ScriptedBackend(Backend):
     def takeover_command(self, backend_session_id: str | None, cwd: str) -> str | None:
         if not backend_session_id:
             return None
-        return f"python -m agents.scripted_agent --resume {shlex.quote(backend_session_id)}"
+        # Pasted as printed it must run: this interpreter (the venv's, which has the project's
+        # dependencies; a bare "python" may be another one or none) with the project on its path.
+        return (f"PYTHONPATH={shlex.quote(PROJECT_ROOT)} {shlex.quote(sys.executable)} -m agents.scripted_agent "
+                f"--resume {shlex.quote(backend_session_id)}")
 
     def parse_event(self, obj: dict) -> list[AgentEvent]:
         kind = obj.get("type")
