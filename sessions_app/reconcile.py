@@ -20,6 +20,7 @@ import logging
 import uuid
 
 from django.db import transaction
+from django.db.models import Q
 from django.utils import timezone
 from django.utils.dateparse import parse_datetime
 
@@ -102,17 +103,25 @@ def turn_stop_held(*, connection_id, turn_id, evidence: dict, refusal: str) -> b
 
 
 def turns_reconcile_listed(*, connection_id, listed: dict[str, dict], basis: str, snapshot_at=None) -> list[str]:
-    """Reopen every listed turn of this connection that the portal settled offline (one query if none)."""
+    """Reopen every listed turn of this connection that the portal settled offline (one query if none).
+
+    A listed turn settled otherwise without a stop (an operator marked it interrupted on a stale
+    heartbeat: the daemon was frozen, its process lived on) is not reopened: the operator's settle is
+    carried out on the process (turn_stop_held)."""
     if not listed:
         return []
-    settled = Turn.objects.filter(pk__in=list(listed), status=states.INTERRUPTED,
-                                  interrupted_reason=states.REASON_OFFLINE).values_list("pk", flat=True)
+    settled = Turn.objects.filter(pk__in=list(listed), status=states.INTERRUPTED).filter(
+        Q(interrupted_reason=states.REASON_OFFLINE) | Q(stop_state=states.STOP_NONE)).values_list(
+        "pk", "interrupted_reason")
     reopened = []
-    for turn_id in settled:
+    for turn_id, reason in settled:
         evidence = {"basis": basis, **listed[str(turn_id)]}
         if snapshot_at:
             evidence["snapshot_at"] = snapshot_at
-        if turn_reconcile_held(connection_id=connection_id, turn_id=turn_id, evidence=evidence):
+        if reason != states.REASON_OFFLINE:
+            turn_stop_held(connection_id=connection_id, turn_id=turn_id, evidence=evidence,
+                           refusal=f"it was settled interrupted({reason}) while its daemon still held it")
+        elif turn_reconcile_held(connection_id=connection_id, turn_id=turn_id, evidence=evidence):
             reopened.append(str(turn_id))
     return reopened
 

@@ -85,6 +85,7 @@ class ModelDaemon:
         self.linked = True                # its socket is up
         self.frozen = False               # SIGSTOP'd: nothing at all happens in it
         self.procs: dict[str, str] = {}
+        self.listed_at = None             # when it last sent the portal what it holds (heartbeat, snapshot)
         self.queue: list[tuple[str, str]] = []
         self.finished: set[str] = set()
         self.seen: set[str] = set()
@@ -125,12 +126,20 @@ class ModelDaemon:
             frame_in(self.pk, self.outbox.pop(0))
 
     def heartbeat(self) -> None:
+        self._listed()
         self.send_frame({"type": protocol.HEARTBEAT, "running": sorted(self.procs)})
 
     def snapshot(self) -> None:
         running = [{"turn": turn, "session": session, "pid": self.pid, "pgid": self.pid, "started_at": 1.0,
                     "process_start_time": 1.0} for turn, session in sorted(self.procs.items())]
+        self._listed()
         self.send_frame({"type": protocol.SNAPSHOT, "running": running, "queued": [t for t, _ in self.queue]})
+
+    def _listed(self) -> None:
+        """When the portal last heard it list the processes it holds (before the frame, so a settle the
+        frame causes is not taken as later than it)."""
+        if self.serving:
+            self.listed_at = timezone.now()
 
     # ---------------------------------------------------------------- commands
     def take_commands(self, *, acks_land: bool) -> None:

@@ -320,11 +320,15 @@ class Conversations(RuleBasedStateMachine):
         self.tick_all()
 
     @rule(host=st.sampled_from(HOSTS), how=st.sampled_from(["disconnect", "freeze", "killed"]), data=st.data(),
-          meanwhile=st.sampled_from(["nothing", "exits", "interrupt"]))
+          meanwhile=st.sampled_from(["nothing", "exits", "interrupt", "mark_interrupted"]))
     def daemon_outage(self, host, how, data, meanwhile):
         """The whole story at once: away past the threshold, swept, something happens meanwhile, back."""
         daemon = self.daemon_of(host)
         daemon.go_away("freeze" if how == "freeze" else "disconnect")
+        if meanwhile == "mark_interrupted":  # an operator settles it first, on the stale heartbeat
+            marked = self.pick_from(data, daemon.procs)
+            if marked is not None:
+                self.mark_interrupted_turn(Turn.objects.get(pk=marked))
         self.offline_sweep(long=False)
         turn = self.pick_from(data, daemon.procs)
         if turn is not None and meanwhile == "exits" and how != "freeze":
@@ -503,6 +507,23 @@ class Conversations(RuleBasedStateMachine):
         held = {turn for daemon in self.daemons.values() for turn in daemon.procs}
         confirmed = {str(pk) for pk in Turn.objects.filter(stop_state="confirmed").values_list("pk", flat=True)}
         assert not held & confirmed, f"stop confirmed while the daemon holds a live process: {held & confirmed}"
+
+    @invariant()
+    def a_held_process_of_a_settled_turn_runs_again_or_is_told_to_stop(self):
+        """Issue 7 item 10: once its daemon has listed it, a process of a turn the portal settled
+        interrupted (offline, or marked by an operator) is reopened or that daemon is asked to stop it."""
+        for daemon in self.daemons.values():
+            if daemon.listed_at is None:
+                continue
+            settled = Turn.objects.filter(pk__in=list(daemon.procs), status="interrupted",
+                                          ended_at__lt=daemon.listed_at).select_related("session")
+            for turn in settled:
+                if (turn.connection_id or turn.session.connection_id) != daemon.pk:
+                    continue
+                asked = ControlCommand.objects.filter(turn=turn, connection_id=daemon.pk, action="interrupt",
+                                                      created_at__gte=turn.ended_at).exists()
+                assert turn.stop_state != "none" or asked, \
+                    f"turn {turn.pk} settled {turn.status}({turn.interrupted_reason}) while {daemon.pk} holds it"
 
     @invariant()
     def no_report_dropped(self):

@@ -135,3 +135,24 @@ def test_a_held_stop_answered_not_held_by_its_daemon_is_confirmed(operator):
     assert Turn.objects.get(pk=turn.pk).stop_state == "requested"
     bridge.command_result(connection_id=a.pk, command_id=stop.pk, result={"held": False})  # the agent exited
     assert Turn.objects.get(pk=turn.pk).stop_state == "confirmed"
+
+
+def test_a_held_turn_an_operator_marked_interrupted_while_its_daemon_was_away_is_stopped(operator):
+    """Marked interrupted on the evidence of a stale heartbeat (a frozen daemon), the process lived on:
+    its daemon's word is heard, and the operator's settle is carried out on the process."""
+    a = online(factories.make_connection(cwds=["/srv/a"]))
+    turn = Turn.objects.get(pk=actions.session_start(actor=operator, connection_id=a.pk, cwd="/srv/a",
+                                                     prompt="@sleep 60")["turn"])
+    assert report(a, turn, status="running", pid=4242).status_code == 200
+    Connection.objects.filter(pk=a.pk).update(last_heartbeat_at=timezone.now() - timedelta(hours=1))
+    evidence = actions._evidence_without_probe(Turn.objects.get(pk=turn.pk), Connection.objects.get(pk=a.pk))
+    assert evidence["basis"] == "heartbeat_stale"
+    actions.turn_mark_interrupted(actor=operator, turn_id=turn.pk, evidence=evidence)
+    bridge.connection_heartbeat(connection_id=a.pk, running=[str(turn.pk)])   # SIGCONT: it still holds it
+
+    turn.refresh_from_db()
+    assert (turn.status, turn.interrupted_reason, turn.stop_state) == ("interrupted", "user", "requested")
+    [stop] = stops_sent(turn)
+    assert stop.connection_id == a.pk
+    assert report(a, turn, status="interrupted", reason="user", stop_state="confirmed").status_code == 200
+    assert Turn.objects.get(pk=turn.pk).stop_state == "confirmed"
