@@ -67,6 +67,9 @@ class TurnRequest:
     env: dict[str, str] = field(default_factory=dict)
     timeout_s: float | None = None
     command_id: str | None = None
+    # Tools the operator allowed when answering a permission denial (sessions_app.actions):
+    # this turn only, for adapters that take them (claude_code).
+    allow_tools: list[str] = field(default_factory=list)
 
     @classmethod
     def from_command(cls, command: dict) -> TurnRequest:
@@ -84,7 +87,9 @@ class TurnRequest:
                    prompt=str(payload.get("prompt") or ""), backend=payload.get("backend") or None,
                    backend_session_id=payload.get("backend_session_id") or None, trigger=payload.get("trigger"),
                    env={str(k): str(v) for k, v in env.items() if v is not None},
-                   timeout_s=timeout if timeout and timeout > 0 else None, command_id=command.get("id"))
+                   timeout_s=timeout if timeout and timeout > 0 else None, command_id=command.get("id"),
+                   allow_tools=[str(t) for t in payload.get("allow_tools") or [] if isinstance(t, str) and t][:20]
+                   if isinstance(payload.get("allow_tools"), list) else [])
 
 
 def cwd_problem(cwd: str, allowed: tuple[str, ...] | list[str]) -> str | None:
@@ -260,8 +265,9 @@ class TurnRunner:
         cwd = os.path.realpath(request.cwd)
         try:
             backend = self.backend or load_backend(self.backend_name, self.environ)
+            widen = {"allow_tools": request.allow_tools} if request.allow_tools else {}
             spec = backend.command(prompt=request.prompt, cwd=cwd, backend_session_id=request.backend_session_id,
-                                   env=dict(request.env))
+                                   env=dict(request.env), **widen)
         except Exception as exc:  # noqa: BLE001 — unknown backend, or an adapter refusing its input
             self._fail("crash", "spawn_failed", f"{self.backend_name}: cannot build the command: {exc}")
             return

@@ -29,6 +29,7 @@ interrupt latency" section of docs/benchmarks.md (unless ``--no-docs``).
 
     .venv/bin/python bench/interrupt_latency.py                  # 50 trials, about 5 minutes
     .venv/bin/python bench/interrupt_latency.py --trials 3 --no-docs
+    .venv/bin/python bench/interrupt_latency.py --backend claude_code --trials 10   # real Claude Code
 """
 
 # Over STYLE's ~600 lines on purpose: bench/ keeps one self-contained script per SPEC §11 target
@@ -684,7 +685,10 @@ def docs_write(section: str) -> None:
         "loopback; the exact command is given with each table.\n\n")
     start = text.find(SECTION + "\n")
     if start >= 0:
-        following = text.find("\n## ", start + len(SECTION))
+        # Up to the next section, or to the real-CLI part (bench/p2_real_cli.py writes that one).
+        ends = [i for i in (text.find("\n## ", start + len(SECTION)), text.find("\n### P2 with real", start))
+                if i >= 0]
+        following = min(ends) if ends else -1
         text = text[:start] + section + ("" if following < 0 else "\n" + text[following + 1:])
     else:  # before the first section of a later target (P3, P4, …), else at the end
         later = re.search(r"^## (P[3-9]|R\d)", text, flags=re.M)
@@ -706,6 +710,9 @@ def parse_args(argv=None):
                    help="bench database (created and dropped by this script via the server's `postgres` db)")
     p.add_argument("--no-docs", action="store_true", help="do not touch docs/benchmarks.md")
     p.add_argument("--keep-logs", action="store_true", help="keep the temp dir with the daphne/celery/daemon logs")
+    p.add_argument("--backend", choices=["scripted", "claude_code"], default="scripted",
+                   help="claude_code: the real Claude Code against a hanging model server (bench/p2_real_cli.py; "
+                        "its own part of the P2 section)")
     args = p.parse_args(argv)
     if args.trials < 1 or args.warmups < 0 or args.sigint_timeout_s < 1:
         p.error("--trials and --sigint-timeout must be at least 1, --warmups at least 0")
@@ -722,6 +729,10 @@ def ms(value: float | None) -> str:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.backend == "claude_code":
+        import p2_real_cli
+
+        return p2_real_cli.run(args)
     command = ".venv/bin/python bench/interrupt_latency.py" + "".join(
         f" {shlex.quote(a)}" for a in (sys.argv[1:] if argv is None else argv) if a != "--no-docs")
     signal.signal(signal.SIGTERM, on_sigterm)  # unwinds through the finally below, as Ctrl-C does

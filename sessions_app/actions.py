@@ -7,6 +7,7 @@ asking for what the state machine forbids is 409 ``invalid_transition``.
 
 from __future__ import annotations
 
+import re
 import time
 from datetime import datetime, timedelta
 from pathlib import PurePosixPath
@@ -69,13 +70,31 @@ def _start_command_of(turn_id) -> ControlCommand | None:
         turn_id=turn_id, action__in=[protocol.START_TURN, protocol.RESUME]).order_by("-id").first()
 
 
+# An operator's answer that grants what a confirmation asked (any other answer grants nothing).
+AFFIRMATIVE = re.compile(r"^\s*(y|yes|ok|okay|allow|allowed|approve|approved|grant|go ahead|sure)\b", re.IGNORECASE)
+
+
+def _allowed_by_answers(turn: Turn) -> list[str]:
+    """Tools the operator allowed by answering the permission denials of the turn this resume
+    follows (items with ``allow``, agents/backends/claude_code.py): the resumed run may use them."""
+    if turn.trigger != "resume":
+        return []
+    before = (Turn.objects.filter(session_id=turn.session_id, seq__lt=turn.seq).order_by("-seq")
+              .values_list("requires_action", flat=True).first())
+    items = (before or {}).get("items") or [] if isinstance(before, dict) else []
+    return sorted({str(item["allow"]) for item in items if isinstance(item, dict) and item.get("allow")
+                   and item.get("answered") and AFFIRMATIVE.match(str(item.get("answer") or ""))})
+
+
 def _turn_payload(turn: Turn, session: Session) -> dict:
+    allow_tools = _allowed_by_answers(turn)
     return {
         "session": str(session.pk), "cwd": session.cwd, "prompt": turn.prompt, "backend": session.backend,
         "backend_session_id": session.backend_session_id, "trigger": turn.trigger,
         # No "env" here: it holds the attempt's task token, a secret that is never stored;
         # bridge.commands_to_deliver adds it on the wire only (SPEC §7).
         "timeout_s": None,
+        **({"allow_tools": allow_tools} if allow_tools else {}),
     }
 
 

@@ -164,7 +164,7 @@ class TurnAdmin(OpsAdmin):
 
     @admin.display(description="status", ordering="status")
     def status_badge(self, obj):
-        return live_badge(obj, label=obj.status_label)
+        return format_html("{} {}", live_badge(obj, label=obj.status_label), retrying_badge(obj))
 
     @admin.display(description="stop", ordering="stop_state")
     def stop_state_badge(self, obj):
@@ -198,7 +198,17 @@ class TurnAdmin(OpsAdmin):
             "wake_error": selectors.wake_error_out(obj.wake_error, with_details=show_details),
             "status_badge": live_badge(obj, label=obj.status_label),
             "stop_badge": live_badge(obj, "stop_state"),
+            "retrying_badge": retrying_badge(obj),
         }
+
+
+def retrying_badge(turn: Turn):
+    """"retrying: authentication failed (attempt 4 of 10, next in 9 s)" while the turn's CLI retries a
+    model call itself (selectors.turn_retrying); empty otherwise. /static/chorus/live.js sets and
+    clears it as turn.retrying events arrive (bridge._retrying_follow)."""
+    retrying = selectors.turn_retrying(turn)
+    return format_html('<span class="chorus-retrying" data-live-id="{}" data-live-field="retrying"{}>{}</span>',
+                       turn.pk, "" if retrying else " hidden", retrying["message"] if retrying else "")
 
 
 @admin.register(TranscriptMessage)

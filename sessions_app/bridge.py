@@ -551,8 +551,31 @@ def _apply_advance(connection: Connection, turn_id, report: dict) -> dict:
         if turn.final_reply:
             services.transcript_append(session_id=session.pk, role="assistant", text=turn.final_reply,
                                        turn_id=turn.pk)
+        elif status == protocol.INTERRUPTED:
+            _transcript_partial_reply(turn)
         _dispatch_next(session.pk)
     return {"turn": str(turn.pk), "status": turn.status, "stop_state": turn.stop_state}
+
+
+PARTIAL_REPLY_MAX = 20_000
+
+
+def _transcript_partial_reply(turn: Turn) -> None:
+    """A turn interrupted before its final reply (a crash, a stop) keeps what the agent had said in the
+    session's transcript, marked as partial: the text events of its output (already redacted), not
+    its raw lines.  A resume, a handoff's transcript tail and the operator then see it."""
+    from chorus_site.models import Event
+
+    texts = [str((data.get("data") or {}).get("text") or "").strip() for data in Event.objects.filter(
+        stream=turn.stream, kind="turn.output", at__gte=turn.created_at, data__id=str(turn.pk),
+        data__type=protocol.EV_TEXT).order_by("id").values_list("data", flat=True)[:500]
+        if not (data.get("data") or {}).get("raw")]
+    said = "\n\n".join(t for t in texts if t)
+    if not said:
+        return
+    reason = f"interrupted ({turn.interrupted_reason})" if turn.interrupted_reason else "interrupted"
+    services.transcript_append(session_id=turn.session_id, role="assistant", turn_id=turn.pk,
+                               text=f"{said[-PARTIAL_REPLY_MAX:]}\n\n[partial reply: the turn was {reason} before it finished]")
 
 
 def _dispatch_next(session_id) -> None:
@@ -574,6 +597,25 @@ def report_events(*, connection: Connection, turn_id, report: dict) -> tuple[int
                            action=lambda: (200, _apply_events(connection, turn_id, events)), record_refusals=False)
 
 
+def _retrying_follow(turn: Turn, items: list[dict]) -> None:
+    """A ``turn.retrying`` event {id, retrying: the CLI's words, or "" once other output follows} when
+    a report changes whether the turn's CLI is retrying a model call (selectors.turn_retrying reads
+    the state from the output itself): the changelists follow state events, not the output."""
+    def retry_message(item):
+        data = item["data"]
+        if data["type"] == protocol.EV_PROGRESS and isinstance(data["data"].get("retry"), dict):
+            return str(data["data"].get("message") or "retrying")
+        return None
+
+    if not items:
+        return
+    now = retry_message(items[-1])
+    if now is None and not any(retry_message(item) for item in items) and selectors.turn_retrying(turn) is None:
+        return  # not retrying before this report, nor within it
+    event_append(stream=turn.stream, kind="turn.retrying",
+                 data={"id": str(turn.pk), "session": str(turn.session_id), "retrying": now or ""})
+
+
 def _apply_events(connection: Connection, turn_id, events: list) -> dict:
     # As in _apply_advance: the whole report, once; in order, so a private key printed line by line
     # stays masked across the events of the report (the daemon does the same across reports).
@@ -591,5 +633,6 @@ def _apply_events(connection: Connection, turn_id, events: list) -> dict:
         # The agent's data sits under its own key: its ``id`` (a backend session id, a tool call id)
         # must not overwrite the turn's, which the timelines and the engine filter on.
         items.append({"kind": "turn.output", "data": {"id": str(turn.pk), "type": raw["kind"], "data": data}})
+    _retrying_follow(turn, items)
     events_append_many(stream=turn.stream, items=items)
     return {"accepted": len(items), "skipped": len(events) - len(items)}

@@ -66,6 +66,8 @@ class BackgroundProcessIn(_Lenient):
 class RequiresActionItemIn(_Lenient):
     id: Annotated[str, Field(max_length=255)] | int
     text: Annotated[str, Field(max_length=TEXT_MAX)] = ""
+    # The tool a "yes" allows for the resumed run (a Claude Code permission denial).
+    allow: Annotated[str, Field(max_length=255)] | None = None
 
 
 class RequiresActionIn(_Lenient):

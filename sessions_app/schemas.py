@@ -60,6 +60,18 @@ class WakeErrorOut(Schema):
     details_withheld: bool
 
 
+class RetryingOut(Schema):
+    """The CLI retries a failed model call itself: its own words and counts (selectors.turn_retrying)."""
+
+    message: str                        # e.g. "retrying: authentication failed (attempt 4 of 10, next in 9 s)"
+    attempt: int | None
+    max_retries: int | None
+    error: str | None
+    error_status: int | None
+    since: datetime
+    next_attempt_at: datetime | None
+
+
 class TurnOut(Schema):
     id: UUID
     session_id: UUID
@@ -81,6 +93,7 @@ class TurnOut(Schema):
     changes: dict
     background_processes: list
     requires_action: dict | None
+    retrying: RetryingOut | None = None   # only while running
 
 
 class DiagnosticsOut(Schema):

@@ -119,6 +119,38 @@ def wake_error_out(wake_error: dict | None, *, with_details: bool) -> dict | Non
     }
 
 
+def turn_retrying(t: Turn) -> dict | None:
+    """While a running turn's CLI retries a failed model call itself (Claude Code's ``api_retry``,
+    Codex's "Reconnecting..."), what it says: the turn's latest output is a progress line with
+    ``retry`` data (agents/backends/claude_code.py, codex.py). Any other output after it (the model
+    answered, a tool ran) clears it; so does leaving ``running``. Read from the event log, newest
+    first on the session stream's (stream, id) index: one short query, and only for running turns."""
+    if t.status != states.RUNNING:
+        return None
+    from chorus_site.models import Event
+
+    latest = (Event.objects.filter(stream=t.stream, kind="turn.output").order_by("-id")
+              .values_list("data", "at").first())
+    if latest is None:
+        return None
+    data, at = latest
+    output = data.get("data") if isinstance(data.get("data"), dict) else {}
+    retry = output.get("retry")
+    if data.get("id") != str(t.pk) or data.get("type") != "progress" or not isinstance(retry, dict):
+        return None
+    try:
+        next_at = at + timedelta(milliseconds=float(retry.get("retry_delay_ms")))
+    except (TypeError, ValueError):
+        next_at = None
+
+    def number(name):
+        return retry.get(name) if isinstance(retry.get(name), int) else None
+
+    return {"message": str(output.get("message") or "retrying"), "attempt": number("attempt"),
+            "max_retries": number("max_retries"), "error": None if retry.get("error") is None else str(retry["error"]),
+            "error_status": number("error_status"), "since": at, "next_attempt_at": next_at}
+
+
 def turn_out(t: Turn, *, with_details: bool = False) -> dict:
     return {
         "id": t.id, "session_id": t.session_id, "connection_id": t.connection_id, "seq": t.seq,
@@ -128,7 +160,7 @@ def turn_out(t: Turn, *, with_details: bool = False) -> dict:
         "interrupt_evidence": t.interrupt_evidence, "usage": t.usage, "attempt_id": t.attempt_id,
         "created_at": t.created_at, "started_at": t.started_at, "ended_at": t.ended_at,
         "final_reply": t.final_reply, "changes": t.changes, "background_processes": t.background_processes,
-        "requires_action": t.requires_action,
+        "requires_action": t.requires_action, "retrying": turn_retrying(t),
     }
 
 

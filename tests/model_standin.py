@@ -63,17 +63,24 @@ class Tool:
 @dataclass
 class Reply:
     """One model answer. ``status`` != 200 answers an error instead; ``hang`` streams the start
-    and then nothing, until the stand-in closes; ``delay_s`` sleeps between streamed chunks."""
+    and then nothing, until the stand-in closes; ``drop`` streams the start and the text, then
+    closes the connection mid-message (no stop event); ``stream_error`` streams the start and the
+    text, then an SSE ``error`` event of that HTTP status (e.g. 529 overloaded mid-stream);
+    ``delay_s`` sleeps between streamed chunks; ``gate`` (a ``threading.Event``) holds the answer
+    until the test sets it, so the CLI waits on that request for as long as the test needs."""
 
     text: str | None = None
     tools: list[Tool] = field(default_factory=list)
     status: int = 200
     hang: bool = False
+    drop: bool = False
+    stream_error: int | None = None
     delay_s: float = 0.0
     chunks: int = 4
     usage: tuple[int, int, int, int] = (11, 7, 0, 0)   # input, output, cache read, cache write
     headers: dict[str, str] = field(default_factory=dict)
     repeat: bool = False                               # stays at the head of the script
+    gate: threading.Event | None = None
 
 
 @dataclass
@@ -181,6 +188,16 @@ def _handler(standin: ModelStandin):
             self.end_headers()
             self.close_connection = True
 
+        def _drop(self) -> None:
+            """Close the connection at once, mid-response."""
+            import socket
+
+            self.close_connection = True
+            try:
+                self.connection.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
         def _sse(self, event: str, data: dict) -> None:
             self.wfile.write(f"event: {event}\ndata: {json.dumps(data)}\n\n".encode())
             self.wfile.flush()
@@ -219,8 +236,13 @@ def _handler(standin: ModelStandin):
             except (BrokenPipeError, ConnectionResetError):
                 pass  # the CLI went away (stopped mid-stream)
 
+        def _hold(self, reply: Reply) -> None:
+            while reply.gate is not None and not reply.gate.is_set() and not standin.wait(0.02):
+                pass
+
         # ------------------------------------------------------------ Anthropic Messages
         def _anthropic(self, body: dict, reply: Reply) -> None:
+            self._hold(reply)
             if reply.status != 200:
                 kind, _code, message = ERRORS.get(reply.status, ("api_error", "", "error"))
                 return self._json(reply.status, {"type": "error", "error": {"type": kind, "message": message},
@@ -238,7 +260,11 @@ def _handler(standin: ModelStandin):
             stop = "tool_use" if reply.tools else "end_turn"
             usage = {"input_tokens": inp, "output_tokens": out, "cache_read_input_tokens": cread,
                      "cache_creation_input_tokens": cwrite}
-            if not body.get("stream"):
+            if not body.get("stream"):  # also the CLI's fallback after a broken stream: it fails the same way
+                if reply.drop or reply.hang:
+                    return self._drop()
+                if reply.stream_error:
+                    return self._anthropic(body, Reply(status=reply.stream_error))
                 return self._json(200, {"id": message_id, "type": "message", "role": "assistant", "model": model,
                                         "content": blocks or [{"type": "text", "text": ""}], "stop_reason": stop,
                                         "stop_sequence": None, "usage": usage})
@@ -246,12 +272,17 @@ def _handler(standin: ModelStandin):
             self._sse("message_start", {"type": "message_start", "message": {
                 "id": message_id, "type": "message", "role": "assistant", "model": model, "content": [],
                 "stop_reason": None, "stop_sequence": None, "usage": {**usage, "output_tokens": 1}}})
-            if reply.hang:
+            if reply.hang or reply.drop or reply.stream_error:
                 self._sse("content_block_start", {"type": "content_block_start", "index": 0,
                                                   "content_block": {"type": "text", "text": ""}})
                 self._sse("content_block_delta", {"type": "content_block_delta", "index": 0,
                                                   "delta": {"type": "text_delta", "text": reply.text or "Thinking"}})
-                standin.wait(3600)
+                if reply.stream_error:
+                    kind, _code, message = ERRORS.get(reply.stream_error, ("api_error", "", "error"))
+                    self._sse("error", {"type": "error", "error": {"type": kind, "message": message}})
+                elif reply.hang:
+                    standin.wait(3600)
+                self._drop()
                 return
             for index, block in enumerate(blocks):
                 if block["type"] == "text":
@@ -274,6 +305,7 @@ def _handler(standin: ModelStandin):
 
         # ------------------------------------------------------------ OpenAI Responses
         def _openai(self, body: dict, reply: Reply) -> None:
+            self._hold(reply)
             if reply.status != 200:
                 _kind, code, message = ERRORS.get(reply.status, ("", "server_error", "error"))
                 return self._json(reply.status, {"error": {"message": message, "type": code, "code": code,

@@ -15,14 +15,17 @@ is one JSON message:
   ``input_tokens``, ``output_tokens``, ``cache_read_input_tokens``,
   ``cache_creation_input_tokens``) and ``permission_denials`` [{tool_name, tool_use_id,
   tool_input}] — tools the non-interactive run was not allowed to use. Those become a
-  ``requires_action`` (confirmation): the operator's answer arrives as a resumed turn, typically
-  together with a wider ``--permission-mode``/``--allowedTools`` in CHORUS_CLAUDE_CODE_ARGS.
+  ``requires_action`` (confirmation) whose items name the tool (``allow``): a "yes" resumes the
+  session with ``--allowedTools <tool>`` added for that run (sessions_app.actions), the answer as
+  the prompt.
 
 Observed with 2.1.328 against tests/model_standin.py (docs/daemon-backends.md has the table):
 
 * ``system`` / ``api_retry`` {attempt, max_retries, retry_delay_ms, error_status, error}: the CLI
   retries a failed API call itself (10 times by default, ``CLAUDE_CODE_MAX_RETRIES``), also a 401;
-  shown as progress "retrying: authentication failed (attempt 4 of 10, next in 9 s)";
+  shown as progress "retrying: authentication failed (attempt 4 of 10, next in 9 s)" (the turn's
+  live "retrying" state in the portal until other output follows); the delay doubles from ~0.5 s
+  (a ``retry-after`` header lengthens it, never shortens it); SIGINT during the wait stops the run;
 * after the retries an ``assistant`` message with ``error``, ``api_error_status`` and the CLI's
   text, then ``result`` with ``subtype: success`` but ``is_error: true``, ``terminal_reason:
   api_error``; exit code 1. A connection refused has ``api_error_status: null``;
@@ -67,13 +70,16 @@ class ClaudeCodeBackend(Backend):
     binary = "claude"
 
     def command(self, *, prompt: str, cwd: str, backend_session_id: str | None,
-                env: Mapping[str, str]) -> LaunchSpec:
+                env: Mapping[str, str], allow_tools: list[str] | None = None) -> LaunchSpec:
+        """``allow_tools``: tools the operator allowed by answering a permission denial, added for
+        this run as ``--allowedTools`` after the machine's own arguments (repeated flags add up)."""
         argv = [self.executable, "-p", "--output-format", "stream-json", "--verbose"]
         if backend_session_id:
             argv += ["--resume", backend_session_id]
         extra = {} if "DISABLE_AUTOUPDATER" in self.environ or "DISABLE_AUTOUPDATER" in env \
             else {"DISABLE_AUTOUPDATER": "1"}
-        return LaunchSpec(argv=argv + self.extra_args, stdin=prompt, env={**extra, **dict(env)}, cwd=cwd)
+        widen = ["--allowedTools", ",".join(allow_tools)] if allow_tools else []
+        return LaunchSpec(argv=argv + self.extra_args + widen, stdin=prompt, env={**extra, **dict(env)}, cwd=cwd)
 
     def takeover_command(self, backend_session_id: str | None, cwd: str) -> str | None:
         return f"claude --resume {shlex.quote(backend_session_id)}" if backend_session_id else None
@@ -132,9 +138,13 @@ class ClaudeCodeBackend(Backend):
             events.append(AgentEvent(EV_USAGE, usage))
         denials = [d for d in obj.get("permission_denials") or [] if isinstance(d, dict)]
         if denials:
+            # ``allow``: what a "yes" widens for the resumed run (--allowedTools <tool>). The whole tool:
+            # a rule for the exact command, Bash(echo hi > f), does not cover the file it writes (2.1.328).
             items = [{"id": str(d.get("tool_use_id") or f"denial-{i}"),
                       "text": f"allow {d.get('tool_name') or 'tool'}: "
-                              f"{summarise(d.get('tool_input') or {}, 120)}"} for i, d in enumerate(denials, 1)]
+                              f"{summarise(d.get('tool_input') or {}, 120)}",
+                      "allow": str(d.get("tool_name") or "")} for i, d in enumerate(denials, 1)]
+            items = [{k: v for k, v in item.items() if v} for item in items]
             events.append(AgentEvent(EV_REQUIRES_ACTION, {"kind": "confirmation", "items": items}))
         text = obj.get("result")
         if obj.get("is_error") or obj.get("subtype", "success") != "success":
@@ -166,16 +176,19 @@ def result_cause(obj: dict, message: str, errors: list[str]) -> str:
 
 
 def retry_progress(obj: dict) -> AgentEvent:
-    """``system/api_retry`` as a progress line an operator reads: what failed and when the next try is."""
-    error = str(obj.get("error") or "error").replace("_", " ")
-    if obj.get("error_status"):
-        error += f" ({obj['error_status']})"
+    """``system/api_retry`` as a progress line an operator reads: what failed and when the next try
+    is, e.g. "retrying: authentication failed (attempt 4 of 10, next in 9 s)". Its ``retry`` data
+    is what the portal shows as the turn's live "retrying" state (sessions_app/selectors.py)."""
+    error, status = obj.get("error"), obj.get("error_status")
+    words = str(error or "error").replace("_", " ")
+    if words == "unknown" and not status:
+        words = "no answer from the model API"
     attempt, most = obj.get("attempt"), obj.get("max_retries")
     try:
         delay = f", next in {max(0.0, float(obj.get('retry_delay_ms') or 0) / 1000):.0f} s"
     except (TypeError, ValueError):
         delay = ""
     of = f"attempt {attempt} of {most}" if attempt and most else f"attempt {attempt or '?'}"
-    return AgentEvent(EV_PROGRESS, {"message": f"retrying: {error} ({of}{delay})", "retry": {
+    return AgentEvent(EV_PROGRESS, {"message": f"retrying: {words} ({of}{delay})", "retry": {
         "attempt": attempt, "max_retries": most, "retry_delay_ms": obj.get("retry_delay_ms"),
-        "error_status": obj.get("error_status"), "error": obj.get("error")}})
+        "error_status": status, "error": error}})

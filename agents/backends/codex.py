@@ -30,7 +30,8 @@ Observed with 0.169.0 against tests/model_standin.py (docs/daemon-backends.md ha
   (``command_execution``, ``file_change``);
 * an unknown model name prints an ``error`` *item* ("Model metadata for … not found") and goes
   on: a warning, not a failure;
-* a refused API call: ``error`` "Reconnecting... 1/N (…)" per retry (``request_max_retries``),
+* a refused API call: ``error`` "Reconnecting... 1/N (…)" per retry (``request_max_retries``; shown as
+  "retrying: authentication failed (attempt 1 of N)", the turn's live "retrying" state),
   then ``error`` and ``turn.failed`` {error: {message: "unexpected status 401 Unauthorized: …"}},
   exit 1; a refused connection retries for ever ("Reconnecting... waiting for network") with a
   growing delay — the operator's stop ends it;
@@ -67,6 +68,7 @@ from .base import (
     summarise,
 )
 
+RECONNECT_RE = re.compile(r"reconnecting\.*\s*(\d+)\s*/\s*(\d+)", re.IGNORECASE)
 TRANSIENT_RE = re.compile(r"reconnecting|retrying|stream disconnected", re.IGNORECASE)
 STATUS_RE = re.compile(r"(?:unexpected status|last status:?)\s*(\d{3})", re.IGNORECASE)
 UNREACHABLE_RE = re.compile(r"connection failed|error sending request|connection refused|waiting for network",
@@ -122,7 +124,7 @@ class CodexBackend(Backend):
         if kind == "error":
             message = str(obj.get("message") or "error")
             if TRANSIENT_RE.search(message):
-                return [AgentEvent(EV_PROGRESS, {"message": f"retrying: {message}"[:300], "retry": {"error": message}})]
+                return [retry_progress(message)]
             return [error_event(message)]
         if kind in ("item.started", "item.completed") and isinstance(obj.get("item"), Mapping):
             return self._item(obj["item"], completed=kind == "item.completed")
@@ -176,6 +178,31 @@ class CodexBackend(Backend):
         text = last_text(events)
         return [AgentEvent(EV_FINAL, {"text": text})] if text is not None else []
 
+
+
+# A model API's HTTP status in a few words, for the "retrying: …" line.
+RETRY_WORDS = {401: "authentication failed", 403: "access refused", 429: "rate limited", 500: "server error",
+               502: "gateway error", 503: "service unavailable", 529: "model overloaded"}
+
+
+def retry_progress(message: str) -> AgentEvent:
+    """Codex's ``error`` "Reconnecting... 2/4 (unexpected status 401 Unauthorized: …)" as a progress
+    line like Claude's: "retrying: authentication failed (attempt 2 of 4)" (Codex prints no delay;
+    "waiting for network" has no count: it never gives up). The ``retry`` data is the turn's live
+    "retrying" state in the portal."""
+    count, status = RECONNECT_RE.search(message), STATUS_RE.search(message)
+    code = int(status.group(1)) if status else None
+    if code:
+        words = RETRY_WORDS.get(code, f"HTTP {code}")
+    elif UNREACHABLE_RE.search(message):
+        words = "model API unreachable, waiting for network"
+    else:
+        words = "stream interrupted"
+    attempt, most = (int(count.group(1)), int(count.group(2))) if count else (None, None)
+    of = f" (attempt {attempt} of {most})" if count else ""
+    return AgentEvent(EV_PROGRESS, {"message": f"retrying: {words}{of}", "detail": summarise(message, 300),
+                                    "retry": {"attempt": attempt, "max_retries": most, "error_status": code,
+                                              "error": summarise(message, 300)}})
 
 
 def failed_cause(message: str) -> str:

@@ -28,7 +28,9 @@ def parse(name: str, fixture: str):
 def test_claude_retries_show_as_progress_and_the_error_result_is_fatal_with_its_cause():
     events, summary = parse("claude_code", "claude_code_2.1.328_overloaded.jsonl")
     progress = [e.data["message"] for e in events if e.kind == EV_PROGRESS]
-    assert "retrying: overloaded (529) (attempt 1 of 2, next in 1 s)" in progress
+    assert "retrying: overloaded (attempt 1 of 2, next in 1 s)" in progress
+    retry = next(e.data["retry"] for e in events if e.kind == EV_PROGRESS and "retry" in e.data)
+    assert (retry["attempt"], retry["max_retries"], retry["error_status"]) == (1, 2, 529)
     assert not [e for e in events if e.kind == EV_TEXT]  # the CLI's error text is not a reply
     assert summary["final_reply"] is None
     fatal = [e.data for e in events if e.kind == EV_ERROR and e.data.get("fatal")]
@@ -40,7 +42,9 @@ def test_claude_retries_show_as_progress_and_the_error_result_is_fatal_with_its_
 def test_codex_refused_key_is_fatal_auth_and_reconnects_are_retries():
     events, summary = parse("codex", "codex_0.169.0_unauthorized.jsonl")
     assert summary["backend_session_id"]
-    assert any(e.kind == EV_PROGRESS and e.data["message"].startswith("retrying: Reconnecting... 1/1") for e in events)
+    retries = [e.data for e in events if e.kind == EV_PROGRESS and "retry" in e.data]
+    assert [r["message"] for r in retries] == ["retrying: authentication failed (attempt 1 of 1)"]
+    assert retries[0]["retry"]["error_status"] == 401 and "Reconnecting... 1/1" in retries[0]["detail"]
     kind, text = get_backend("codex", {}).failure(events, 1, "")
     assert kind == "auth" and text.startswith("the model API rejected the API key (401")
 

@@ -91,12 +91,33 @@ def standin():
         server.close()
 
 
+@pytest.fixture
+def real_cli(portal_server, celery_beat_worker, operator, workspace, tmp_path, standin):
+    """``real_cli(backend, **options)``: a bridge whose daemon runs that real CLI against the
+    stand-in (``real_bridge``'s options), stopped at the end of the test. The test modules'
+    ``claude`` / ``codex`` fixtures are one call of it."""
+    started = []
+
+    def make(backend: str, **options):
+        bridge = real_bridge(backend, portal_server, operator, workspace, tmp_path, standin, **options)
+        started.append(bridge)
+        return bridge
+
+    try:
+        yield make
+    finally:
+        for bridge in started:
+            stop_bridge(bridge)
+
+
 CLAUDE_ARGS = "--permission-mode acceptEdits --allowedTools Bash"
 
 
 def real_bridge(backend, portal_server, operator, workspace, tmp_path, standin, *, claude_args: str = CLAUDE_ARGS,
-                binary: str | None = None):
-    """Register a connection with ``backend`` and start its daemon with the real CLI (or ``binary``)."""
+                binary: str | None = None, env: dict[str, str] | None = None):
+    """Register a connection with ``backend`` and start its daemon with the real CLI (or ``binary``);
+    ``env`` is laid over the daemon's environment. The daemon user's home is ``bridge["home"]``
+    (Claude reads ``~/.claude/settings.json`` there at each run)."""
     binary = binary or cli_binary(backend)
     connection, key = services.connection_register(name=f"e2e-{backend}", backend=backend, cwds=[str(workspace)],
                                                    sigint_timeout_s=SIGINT_TIMEOUT_S)
@@ -104,7 +125,8 @@ def real_bridge(backend, portal_server, operator, workspace, tmp_path, standin, 
     daemon.args[daemon.args.index("--backend") + 1] = backend
     home = tmp_path / "home"
     home.mkdir()
-    env = {"HOME": str(home), "CHORUS_CLAUDE_CODE_BIN": binary, "CHORUS_CODEX_BIN": binary,
+    (home / ".claude").mkdir()
+    extra_env, env = env, {"HOME": str(home), "CHORUS_CLAUDE_CODE_BIN": binary, "CHORUS_CODEX_BIN": binary,
            "DISABLE_AUTOUPDATER": "1", "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
            "CLAUDE_CODE_MAX_RETRIES": "2"}
     if backend == "claude_code":
@@ -116,6 +138,7 @@ def real_bridge(backend, portal_server, operator, workspace, tmp_path, standin, 
     for name in ("ANTHROPIC_AUTH_TOKEN", "OPENAI_API_KEY", "OPENAI_BASE_URL", "CLAUDE_CONFIG_DIR"):
         daemon.env.pop(name, None)
     daemon.env.update(env)
+    daemon.env.update(extra_env or {})
     daemon.start()
     _token, raw = token_create(user=operator, name="e2e")
     api = Api(portal_server, raw)
@@ -162,6 +185,13 @@ def wait_status(turn, statuses, timeout=60, bridge=None):
         current = Turn.objects.get(pk=turn.pk)
         log = bridge["daemon"].log()[-3000:] if bridge else ""
         raise AssertionError(f"turn is {current.status} ({current.wake_error}); daemon log:\n{log}") from None
+
+
+def api_retrying(bridge, turn) -> dict | None:
+    """The turn's live "retrying" state as GET /turns/{id} says it."""
+    status, body = bridge["api"].call("GET", f"/turns/{turn.pk}")
+    assert status == 200, body
+    return body["retrying"]
 
 
 def progress_messages(turn) -> list[str]:

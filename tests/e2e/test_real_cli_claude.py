@@ -5,21 +5,22 @@ from __future__ import annotations
 
 import json
 import shutil
+import threading
 
 import pytest
 
 from chorus_site.models import Event
 from sessions_app.models import Session, Turn
-from tests.e2e.conftest import alive, wait_until
+from tests.e2e.conftest import admin_login, alive, wait_until
 from tests.e2e.real_cli import (
+    api_retrying,
     message,
     group_processes,
     progress_messages,
-    real_bridge,
+    real_cli,  # noqa: F401 — fixture
     resume,
     standin,  # noqa: F401 — fixture
     start,
-    stop_bridge,
     wait_status,
 )
 from tests.model_standin import Reply, Tool
@@ -28,10 +29,8 @@ pytestmark = [pytest.mark.django_db(transaction=True)]
 
 
 @pytest.fixture
-def claude(portal_server, celery_beat_worker, operator, workspace, tmp_path, standin):  # noqa: F811
-    bridge = real_bridge("claude_code", portal_server, operator, workspace, tmp_path, standin)
-    yield bridge
-    stop_bridge(bridge)
+def claude(real_cli):  # noqa: F811
+    return real_cli("claude_code")
 
 
 def said(request) -> str:
@@ -102,7 +101,14 @@ time.sleep(300)
 """
 
 
-def test_interrupt_reaches_a_tool_that_ignores_the_stop_in_its_own_session(claude):
+STUBBORN_HOOK = """#!/bin/sh
+trap '' INT TERM
+echo $$ > {pid_file}
+sleep 300
+"""
+
+
+def test_interrupt_reaches_a_tool_that_ignores_the_stop_and_a_cli_that_does_not_exit(claude):
     ws, model = claude["workspace"], claude["standin"]
     # Claude Code runs each Bash command in a session of its own (setsid): not in the CLI's group.
     model.script(Reply(tools=[Tool.write(str(ws / "stubborn.py"), STUBBORN)]),
@@ -118,6 +124,32 @@ def test_interrupt_reaches_a_tool_that_ignores_the_stop_in_its_own_session(claud
     assert (turn.status, turn.interrupted_reason) == ("interrupted", "user")
     assert not alive(tool_pid) and group_processes(turn.pid) == []
 
+    # A CLI that does not exit on SIGINT: with a SessionEnd hook that ignores signals, Claude Code
+    # answers the stop (it prints its result) but waits for its hooks; the daemon kills the tree.
+    hook, hook_pid_file = ws.parent / "session-end-hook.sh", ws.parent / "hook.pid"
+    hook.write_text(STUBBORN_HOOK.format(pid_file=hook_pid_file))
+    hook.chmod(0o755)
+    (claude["home"] / ".claude" / "settings.json").write_text(json.dumps({"hooks": {"SessionEnd": [
+        {"matcher": "", "hooks": [{"type": "command", "command": str(hook), "timeout": 300}]}]}}))
+    model._script.clear()
+    model.script(Reply(text="Partial, then the stream hangs", hang=True))
+    calls = len(model.agent_requests())
+    deaf = start(claude, "Think for a long time.", idea_key="idea:deaf", acknowledge_changes=True)
+    wait_until(lambda: len(model.agent_requests()) > calls, timeout=60, message="Claude Code to call the model")
+    pid = Turn.objects.get(pk=deaf.pk).pid
+    status, _ = claude["api"].call("POST", f"/turns/{deaf.pk}/interrupt", {"reason": "e2e"})
+    assert status == 200
+    wait_until(lambda: hook_pid_file.exists() and hook_pid_file.read_text().strip(), timeout=30,
+               message="the CLI to run its SessionEnd hook")
+    hook_pid = int(hook_pid_file.read_text())
+    deaf = wait_until(lambda: (t := Turn.objects.get(pk=deaf.pk)).stop_state == "confirmed" and t, timeout=60,
+                      message="a confirmed stop")
+    assert (deaf.status, deaf.interrupted_reason) == ("interrupted", "user")
+    stages = [e.data.get("stop_state") for e in Event.objects.filter(stream=deaf.stream, kind="turn.stop_state",
+                                                                     data__id=str(deaf.pk)).order_by("id")]
+    assert "escalated" in stages  # SIGINT did not end it: the daemon killed the tree after the timeout
+    assert group_processes(pid) == [] and not alive(hook_pid)
+
 
 def test_wake_errors_name_the_cause(claude):
     model, home = claude["standin"], claude["home"]
@@ -127,7 +159,7 @@ def test_wake_errors_name_the_cause(claude):
     assert turn.interrupted_reason == "crash"
     assert turn.wake_error["kind"] == "auth", turn.wake_error
     assert "API key" in turn.wake_error["summary"] and "401" in turn.wake_error["summary"]
-    assert any(m.startswith("retrying: authentication failed (401) (attempt 1 of 2") for m in progress_messages(turn))
+    assert any(m.startswith("retrying: authentication failed (attempt 1 of 2") for m in progress_messages(turn))
     model._script.clear()
 
     # An overloaded model: the backend's reason, not 'ended' and not a bare exit code.
@@ -152,9 +184,21 @@ def test_wake_errors_name_the_cause(claude):
                          timeout=60, bridge=claude)
     assert killed.interrupted_reason == "crash" and killed.wake_error["kind"] == "signal", killed.wake_error
     assert killed.wake_error["signal"] in ("SIGKILL", "KILL")
-    # The partial reply is in the turn's output (the transcript takes final replies only: see the docs).
+    # The partial reply is in the turn's output and stays in the session's transcript, marked.
     assert "Let me look first." in [str((e.data.get("data") or {}).get("text")) for e in
                                     Event.objects.filter(stream=killed.stream, kind="turn.output")]
+    assert transcript_of(killed)[-1] == ("assistant", "Let me look first.\n\n[partial reply: the turn was "
+                                                      "interrupted (crash) before it finished]")
+
+    # The stream drops mid-reply after a first step: the CLI retries, gives up (no partial message of
+    # the dropped stream is printed by 2.1.328), and the reply of the first step stays in the transcript.
+    model.script(Reply(text="Step one done.", tools=[Tool.bash("true")]), Reply(text="Step two is", drop=True,
+                                                                                 repeat=True))
+    dropped = wait_status(start(claude, "hello", idea_key="idea:dropped", acknowledge_changes=True), "interrupted",
+                          timeout=60, bridge=claude)
+    assert dropped.interrupted_reason == "crash", dropped.wake_error
+    assert transcript_of(dropped)[-1][1].startswith("Step one done.\n\n[partial reply")
+    model._script.clear()
 
     # The model server is down: connection refused, in words.
     model.close()
@@ -162,3 +206,73 @@ def test_wake_errors_name_the_cause(claude):
                        timeout=90, bridge=claude)
     assert down.interrupted_reason == "crash" and "cannot be reached" in down.wake_error["summary"], down.wake_error
     assert "Connection refused" in down.wake_error["details"] or "ECONNREFUSED" in down.wake_error["details"]
+
+
+def test_the_cli_retrying_shows_live_and_the_operator_can_stop_it(claude, browser, operator):
+    """Claude Code retries a refused call itself (``api_retry`` lines): the turn page, the changelist
+    and the API say so while it does, follow each new attempt, clear when the model answers, and
+    an interrupt during the retries is a confirmed stop."""
+    ws, model, api, portal = claude["workspace"], claude["standin"], claude["api"], claude["portal"]
+    # Each refusal is held until the test has looked at what the previous retry line produced.
+    page_open, second, answered = threading.Event(), threading.Event(), threading.Event()
+    model.script(Reply(status=401, gate=page_open), Reply(status=401, gate=second),
+                 Reply(tools=[Tool.bash("while [ ! -f go ]; do sleep 0.05; done")], gate=answered),
+                 Reply(text="Recovered."))
+    turn = start(claude, "Retry for me.")
+    context = browser.new_context()
+    page, changelist = context.new_page(), context.new_page()
+    admin_login(page, portal, operator)
+    page.goto(f"{portal}/admin/sessions_app/turn/{turn.pk}/change/")
+    changelist.goto(f"{portal}/admin/sessions_app/turn/")
+    for live in (page, changelist):
+        live.wait_for_selector("#chorus-live-status[data-state=live]")
+    retrying = f'[data-live-id="{turn.pk}"][data-live-field="retrying"]'
+
+    def api_retrying_now():
+        return api_retrying(claude, turn)
+
+    page_open.set()  # the first refusal: "attempt 1 of 2" (CLAUDE_CODE_MAX_RETRIES=2)
+    for live in (page, changelist):
+        live.wait_for_function("s => (document.querySelector(s) || {}).textContent?.includes('attempt 1 of 2')",
+                               arg=retrying)
+    shown = page.text_content(retrying)
+    assert shown.startswith("retrying: authentication failed (attempt 1 of 2, next in ") and shown.endswith(" s)")
+    now = wait_until(api_retrying_now, timeout=10, message="the API to say the turn is retrying")
+    assert now["message"] == shown and (now["attempt"], now["max_retries"], now["error_status"]) == (1, 2, 401)
+    assert now["error"] == "authentication_failed" and now["next_attempt_at"] >= now["since"]
+    status, listed = api.call("GET", f"/sessions/{turn.session_id}/turns")
+    assert [t["retrying"]["message"] for t in listed["items"]] == [shown]
+
+    second.set()  # the next line updates the same places
+    page.wait_for_function("s => document.querySelector(s).textContent.includes('attempt 2 of 2')", arg=retrying)
+    changelist.wait_for_function("s => document.querySelector(s).textContent.includes('attempt 2 of 2')",
+                                 arg=retrying)
+    assert wait_until(lambda: (r := api_retrying_now()) and r["attempt"] == 2, timeout=10, message="attempt 2")
+
+    answered.set()  # the model answers (a tool that waits for the test): no longer retrying, still running
+    for live in (page, changelist):
+        live.wait_for_function("s => document.querySelector(s).hidden", arg=retrying)
+    wait_until(lambda: api_retrying_now() is None, timeout=10, message="the API to clear the retrying state")
+    assert Turn.objects.get(pk=turn.pk).status == "running"
+    (ws / "go").write_text("")
+    assert wait_status(turn, "ended", bridge=claude).final_reply == "Recovered."
+    page.reload()
+    assert page.is_hidden(retrying)
+
+    # Retries the operator stops: the second refusal asks for a 30 s wait; the stop ends it at once.
+    model.script(Reply(status=401), Reply(status=401, headers={"retry-after": "30"}, repeat=True))
+    again = message(claude, turn.session_id, "Once more.")
+    wait_until(lambda: (r := api_retrying(claude, again)) and r["attempt"] == 2, timeout=30,
+               message="the second retry line")
+    pid = Turn.objects.get(pk=again.pk).pid
+    status, answer = api.call("POST", f"/turns/{again.pk}/interrupt", {"reason": "stop retrying"})
+    assert status == 200 and answer["dispatched"] is True
+    again = wait_until(lambda: (t := Turn.objects.get(pk=again.pk)).stop_state == "confirmed" and t, timeout=30,
+                       message="a confirmed stop")
+    assert (again.status, again.interrupted_reason) == ("interrupted", "user")
+    assert group_processes(pid) == [] and api_retrying(claude, again) is None
+    context.close()
+
+
+def transcript_of(turn) -> list[tuple[str, str]]:
+    return [(m.role, m.text) for m in Session.objects.get(pk=turn.session_id).transcript.order_by("id")]

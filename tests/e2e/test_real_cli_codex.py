@@ -13,14 +13,14 @@ import pytest
 from sessions_app.models import Session, Turn
 from tests.e2e.conftest import wait_until
 from tests.e2e.real_cli import (
+    api_retrying,
     group_processes,
     message,
     progress_messages,
-    real_bridge,
+    real_cli,  # noqa: F401 — fixture
     resume,
     standin,  # noqa: F401 — fixture
     start,
-    stop_bridge,
     wait_status,
 )
 from tests.model_standin import Reply, Tool
@@ -31,10 +31,8 @@ PATCH = "*** Begin Patch\n*** Add File: patched.txt\n+made by apply_patch\n*** E
 
 
 @pytest.fixture
-def codex(portal_server, celery_beat_worker, operator, workspace, tmp_path, standin):  # noqa: F811
-    bridge = real_bridge("codex", portal_server, operator, workspace, tmp_path, standin)
-    yield bridge
-    stop_bridge(bridge)
+def codex(real_cli):  # noqa: F811
+    return real_cli("codex")
 
 
 def said(request) -> str:
@@ -114,7 +112,7 @@ def test_wake_errors_and_retries_name_the_cause(codex):
     assert turn.interrupted_reason == "crash"
     assert turn.wake_error["kind"] == "auth", turn.wake_error
     assert "rejected the API key (401" in turn.wake_error["summary"]
-    assert any(m.startswith("retrying: Reconnecting... 1/1") for m in progress_messages(turn))
+    assert "retrying: authentication failed (attempt 1 of 1)" in progress_messages(turn)
     model._script.clear()
 
     model.script(Reply(text="first"))
@@ -127,12 +125,13 @@ def test_wake_errors_and_retries_name_the_cause(codex):
     # The model server is down: Codex waits for the network for ever, visibly; the operator's stop ends it.
     model.close()
     down = start(codex, "hello", idea_key="idea:down", acknowledge_changes=True)
-    wait_until(lambda: any("waiting for network" in m for m in progress_messages(down)), timeout=60,
-               message="Codex's reconnect notice")
+    # The turn says so live (the API; the pages as for Claude) until the operator's stop ends it.
+    wait_until(lambda: (r := api_retrying(codex, down)) and r["message"] ==
+               "retrying: model API unreachable, waiting for network", timeout=60, message="Codex's reconnect notice")
     pid = Turn.objects.get(pk=down.pk).pid
     status, _ = codex["api"].call("POST", f"/turns/{down.pk}/interrupt", {"reason": "model server down"})
     assert status == 200
     down = wait_until(lambda: (t := Turn.objects.get(pk=down.pk)).stop_state == "confirmed" and t, timeout=60,
                       message="a confirmed stop")
     assert (down.status, down.interrupted_reason) == ("interrupted", "user")
-    assert group_processes(pid) == []
+    assert group_processes(pid) == [] and api_retrying(codex, down) is None

@@ -32,6 +32,7 @@
   function updateBadges(event) {
     var data = event.data || {};
     if (!data.id) return;
+    updateRetrying(event, data);
     ["status", "state", "stop_state"].forEach(function (field) {
       if (data[field] === undefined) return;
       var nodes = document.querySelectorAll('[data-live-id="' + data.id + '"][data-live-field="' + field + '"]');
@@ -42,6 +43,23 @@
         node.dataset.liveValue = data[field];
         setTimeout(function () { node.classList.remove("chorus-flash"); }, 1500);
       });
+    });
+  }
+
+  // "retrying: …" beside a turn's status while its CLI retries a model call: set and cleared by
+  // the turn.retrying events (sessions_app/bridge._retrying_follow), cleared when it leaves running.
+  function updateRetrying(event, data) {
+    var text;
+    if (event.kind === "turn.retrying") {
+      text = String(data.retrying || "");
+    } else if (event.kind === "turn.status" && data.status !== "running") {
+      text = "";
+    } else {
+      return;
+    }
+    document.querySelectorAll('[data-live-id="' + data.id + '"][data-live-field="retrying"]').forEach(function (node) {
+      node.textContent = text;
+      node.hidden = !text;
     });
   }
 
