@@ -7,11 +7,13 @@ import binascii
 import math
 
 from django.core.exceptions import RequestDataTooBig
+from django.db import OperationalError
 from django.db.models import QuerySet
 from django.http import Http404
 from ninja import NinjaAPI, Schema, Status
 from ninja.errors import AuthenticationError, HttpError, Throttled, ValidationError
 from ninja.security import APIKeyCookie, HttpBearer
+from psycopg_pool import PoolTimeout
 from django.conf import settings
 
 from .api_input import StorableParser, declare_common_errors
@@ -98,6 +100,18 @@ def _not_found(request, exc):
 def _body_too_big(request, exc):
     return error_response(request, "payload_too_large", "request body too large", 413,
                           {"limit_bytes": settings.DATA_UPLOAD_MAX_MEMORY_SIZE})
+
+
+@api.exception_handler(OperationalError)
+def _database_busy(request, exc: OperationalError):
+    """Every pooled connection of this process stayed taken for DATABASE_POOL_TIMEOUT_S: the
+    process is overloaded. 503 with Retry-After tells a client or load balancer to try again
+    (another process, or later) instead of a 500; other database errors stay 500."""
+    if not isinstance(exc.__cause__, PoolTimeout):
+        raise exc
+    response = error_response(request, "busy", "the portal is busy: retry shortly", 503, {"retry_after_s": 1})
+    response["Retry-After"] = "1"
+    return response
 
 
 @api.exception_handler(HttpError)

@@ -8,7 +8,9 @@ apart by their application name (libpq's PGAPPNAME).
 
 from __future__ import annotations
 
+import json
 import threading
+import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
@@ -19,6 +21,7 @@ from chorus_site.tokens import token_create
 from tests import factories
 from tests.e2e.conftest import portal_server  # noqa: F401  (the fixture, used by name)
 from tests.e2e.conftest import test_database_url as database_url_of_tests
+from tests.e2e.conftest import wait_until
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.redis, pytest.mark.postgres]
 
@@ -64,3 +67,37 @@ def test_a_burst_of_requests_holds_at_most_the_pool(monkeypatch, request, viewer
         sampler.join(timeout=5)
     assert statuses == [200] * BURST
     assert 1 <= sampler.peak <= POOL_MAX, f"the portal held {sampler.peak} connections at once"
+
+
+def test_a_request_that_waits_out_the_pool_is_told_to_retry(monkeypatch, request, viewer):
+    """Overloaded (every pooled connection taken for DATABASE_POOL_TIMEOUT_S): 503 busy with
+    Retry-After, not a 500. The one connection is kept busy by a request blocked on a table lock
+    the test holds."""
+    monkeypatch.setenv("DATABASE_POOL_MAX_SIZE", "1")
+    monkeypatch.setenv("DATABASE_POOL_TIMEOUT_S", "1")
+    monkeypatch.setenv("PGAPPNAME", APP_NAME)
+    portal = request.getfixturevalue("portal_server")
+    _token, raw = token_create(user=viewer, name="busy")
+
+    def get():
+        req = urllib.request.Request(portal + "/api/v1/sessions", headers={"Authorization": f"Bearer {raw}"})
+        try:
+            with urllib.request.urlopen(req, timeout=60) as response:
+                return response.status, dict(response.headers), response.read()
+        except urllib.error.HTTPError as error:
+            return error.code, dict(error.headers), error.read()
+
+    with psycopg.connect(database_url_of_tests(), application_name="chorus-pool-locker") as locker:
+        locker.execute("LOCK TABLE chorus_site_apitoken IN ACCESS EXCLUSIVE MODE")
+        with ThreadPoolExecutor(1) as pool:
+            blocked = pool.submit(get)
+            with psycopg.connect(database_url_of_tests(), autocommit=True) as watch:
+                wait_until(lambda: watch.execute(
+                    "SELECT count(*) FROM pg_stat_activity WHERE application_name = %s AND wait_event_type = 'Lock'",
+                    [APP_NAME]).fetchone()[0] == 1, timeout=30, message="a portal request to wait on the lock")
+            status, headers, body = get()  # no connection left in the portal's pool
+            locker.rollback()  # the blocked request goes on
+            assert blocked.result(timeout=60)[0] == 200
+    assert status == 503, body
+    assert headers.get("Retry-After") == "1"
+    assert json.loads(body)["error"]["code"] == "busy"
