@@ -17,6 +17,7 @@ from psycopg_pool import PoolTimeout
 from django.conf import settings
 
 from .api_input import StorableParser, declare_common_errors
+from .api_schema import declare_query_limits
 from .errors import ApplicationError
 from .idempotency import idempotent_call
 from .permissions import has_ops_role
@@ -52,7 +53,8 @@ class TokenAuth(HttpBearer):
 
 class ChorusAPI(NinjaAPI):
     def get_openapi_schema(self, *, path_prefix=None, path_params=None):
-        return declare_common_errors(super().get_openapi_schema(path_prefix=path_prefix, path_params=path_params))
+        schema = super().get_openapi_schema(path_prefix=path_prefix, path_params=path_params)
+        return declare_query_limits(declare_common_errors(schema))
 
 
 api = ChorusAPI(

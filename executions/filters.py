@@ -1,8 +1,11 @@
 """FilterSets behind the executions list query parameters."""
 
+from datetime import timezone as dt_timezone
+
 import django_filters
 from django.db.models import Q
 
+from chorus_site.errors import ApplicationError
 from chorus_site.search import as_uuid, contains_any
 from sessions_app.states import choices
 
@@ -30,12 +33,28 @@ class IssueFilter(django_filters.FilterSet):
         return queryset.filter(contains_any(value, "title", "body"))
 
 
+class UtcDateTimeFilter(django_filters.IsoDateTimeFilter):
+    """An ISO 8601 date-time, compared in UTC.
+
+    ISO 8601 allows offsets PostgreSQL does not (it takes up to ±15:59): ``…-17:34`` was a 500.
+    In UTC every offset is fine; a time that has no UTC value (year 1 minus an offset) is a 400.
+    """
+
+    def filter(self, qs, value):
+        if value is not None:
+            try:
+                value = value.astimezone(dt_timezone.utc)
+            except (OverflowError, ValueError):
+                raise ApplicationError("bad_request", f"{self.field_name}: date-time out of range") from None
+        return super().filter(qs, value)
+
+
 class RunFilter(django_filters.FilterSet):
     state = django_filters.ChoiceFilter(choices=choices(states.RUN_STATES))
     mode = django_filters.ChoiceFilter(choices=choices(states.RUN_MODES))
     issue = django_filters.UUIDFilter(field_name="issue_id")
-    created_after = django_filters.IsoDateTimeFilter(field_name="created_at", lookup_expr="gte")
-    created_before = django_filters.IsoDateTimeFilter(field_name="created_at", lookup_expr="lt")
+    created_after = UtcDateTimeFilter(field_name="created_at", lookup_expr="gte")
+    created_before = UtcDateTimeFilter(field_name="created_at", lookup_expr="lt")
     q = django_filters.CharFilter(method="search")
 
     class Meta:
