@@ -136,3 +136,37 @@ def test_a_retry_of_a_task_already_retried_changes_nothing(operator):
     with pytest.raises(Exception) as refused:
         actions.task_retry(actor=operator, task_id=uuid.uuid4())
     assert getattr(refused.value, "code", None) == "not_found"
+
+
+def test_a_reopen_and_the_tick_that_ends_its_attempt_have_one_outcome():
+    """Issue 7 item 3: a turn settled offline whose daemon comes back holding it, while a tick acts on
+    the settle.  Either the reopen commits first (the turn runs, its attempt goes on) or the tick does
+    (the attempt failed and will be retried; the reopen is refused and the daemon told to stop the
+    process): never a running turn of an ended attempt, whose work the retry would do again."""
+    from django.utils import timezone
+
+    from executions.states import ATTEMPT_TERMINAL
+    from sessions_app import reconcile
+
+    connection = factories.make_connection()
+    outcomes = []
+    for n in range(ROUNDS):
+        session = factories.make_session(connection=connection)
+        run, node, task, attempt = factories.make_run_graph(issue=factories.make_issue(status="in_progress"),
+                                                            connection=connection)
+        turn = factories.make_turn(session=session, status="interrupted", interrupted_reason="offline",
+                                   attempt_id=attempt.pk, connection=connection, ended_at=timezone.now())
+        Attempt.objects.filter(pk=attempt.pk).update(turn=turn, session=session)
+        answers = run_together(tick(run), lambda: reconcile.turn_reconcile_held(
+            connection_id=connection.pk, turn_id=turn.pk, evidence={"basis": "snapshot"}))
+        assert answers == ["ok", "ok"], answers
+        turn.refresh_from_db()
+        state = Attempt.objects.get(pk=attempt.pk).state
+        if turn.status == "running":
+            assert state not in ATTEMPT_TERMINAL, state
+            outcomes.append("reopened")
+        else:
+            assert (turn.status, turn.interrupted_reason, turn.stop_state, state) == (
+                "interrupted", "offline", "requested", "failed")
+            outcomes.append("stopped")
+    assert outcomes  # which one wins each round is up to the scheduler
