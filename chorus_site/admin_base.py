@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import uuid
 
@@ -252,6 +253,9 @@ def readable_times(model, names: list) -> list:
     return shown
 
 
+# Cached: Django's admin compares the fields it is given with the read-only ones, so asking twice
+# must give the same column objects (a new closure each time read as an unknown form field).
+@functools.cache
 def when_column(name: str, label: str):
     @admin.display(description=label, ordering=name)
     def column(obj):
@@ -261,6 +265,7 @@ def when_column(name: str, label: str):
     return column
 
 
+@functools.cache
 def duration_column(start: str, end: str):
     @admin.display(description="duration")
     def column(obj):

@@ -216,3 +216,15 @@ def test_the_run_page_shows_each_attempts_duration(client, viewer):
     task_map = page.split('id="chorus-task-map"', 1)[1]
     assert ">2 m 14 s</span>" in task_map  # the failed attempt took 2 m 14 s
     assert '<time class="chorus-timer"' in task_map and "running for 5 m" in task_map  # the running one ticks
+
+
+def test_a_page_that_may_change_its_record_also_reads_times(client, ops_admin_user):
+    """ops_admin may change API tokens: the form then lists the read-only time columns too, and
+    must take them as the same ones each time it asks (a 500 before)."""
+    from chorus_site.tokens import token_create
+
+    token, _raw = token_create(user=ops_admin_user, name="dash")
+    _login(client, ops_admin_user)
+    response = client.get(f"/admin/chorus_site/apitoken/{token.pk}/change/")
+    assert response.status_code == 200
+    assert '<time class="chorus-when"' in response.content.decode()
