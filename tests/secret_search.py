@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-from django.apps import apps
 from django.db import connection
 
 
 def database_texts() -> dict[str, str]:
-    """{table: all its rows as JSON text} for every table of every installed model (PostgreSQL)."""
+    """{table: all its rows as JSON text} for every table of the database (PostgreSQL)."""
     out = {}
-    tables = sorted({m._meta.db_table for m in apps.get_models(include_auto_created=True)})
+    tables = sorted(connection.introspection.table_names())  # every table, a model's or not
     with connection.cursor() as cursor:
         for table in tables:
             cursor.execute(f'SELECT coalesce(string_agg(row_to_json(t)::text, chr(10)), \'\') FROM "{table}" t')
