@@ -66,7 +66,7 @@ def runs_list(request, state: str = None, mode: str = None, issue: UUID = None, 
               created_before: str = None, q: str = None, limit: int = 50, cursor: str = None):
     require_ops(request)
     qs = filter_or_400(RunFilter, query_params(request, "state", "mode", "issue", "created_after", "created_before", "q"),
-                       sel.runs_qs())
+                       sel.runs_list_qs())
     return paginate(qs, limit=limit, cursor=cursor, serialize=sel.run_out)
 
 

@@ -15,8 +15,14 @@ def runs_qs() -> QuerySet:
     return Run.objects.select_related("issue", "workflow_revision__workflow")
 
 
+def runs_list_qs() -> QuerySet:
+    """What run_out reads of a page: the run and its issue's title (not the issue's body, not the
+    workflow revision the detail's graph uses)."""
+    return Run.objects.select_related("issue").defer("issue__body", "issue__acceptance_criteria")
+
+
 def attempts_qs() -> QuerySet:
-    return Attempt.objects.select_related("task__node", "connection", "session")
+    return Attempt.objects.all()  # attempt_out reads ids only: no join (issue 9)
 
 
 def artifacts_qs() -> QuerySet:

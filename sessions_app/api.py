@@ -41,7 +41,7 @@ def sessions_list(request, status: str = None, backend: str = None, connection: 
                   idea_key: str = None, q: str = None, limit: int = 50, cursor: str = None):
     require_ops(request)
     qs = filter_or_400(SessionFilter, query_params(request, "status", "backend", "connection", "cwd", "idea_key", "q"),
-                       sel.sessions_qs())
+                       sel.sessions_list_qs())
     return paginate(qs, limit=limit, cursor=cursor, serialize=sel.session_out)
 
 
