@@ -362,6 +362,10 @@ FINDINGS = """Where the time goes (py-spy on one daphne process at 15 req/s, 1M 
   (`Expression.identity` → `inspect.Signature.bind` alone 8 %), and asgiref's thread per request
   (thread start, loop wake-ups: ~20 %).
 - Deep pages cost what first pages cost (keyset on the UUIDv7 primary key).
+- List pages then stopped loading whole rows of joined tables (sessions: only the columns the
+  answer shows; runs: the issue's title, not its body; attempts: no join): in-process 16 ms instead
+  of 38 ms for a 50-row sessions page; through the bench (`--workers 1,2`, load average ~10)
+  38.7 and 41.9 requests/s, within this machine's noise of the table above.
 - Not met, and why: on this 2-core machine shared with other work (load average 7–20 while
   measuring) one process serves ~36 requests/s (the issue measured 23–25 before) and two ~43; at
   50 requests/s requests queue, so
