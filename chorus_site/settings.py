@@ -101,8 +101,8 @@ def database_pool_options() -> dict:
     """A psycopg connection pool per process (Django's OPTIONS["pool"]; issue 9 item 5).
 
     Under ASGI every request runs in a thread and context of its own, so CONN_MAX_AGE cannot keep a
-    connection between requests: without a pool each request opened a new one (10-12 % of a list
-    request's time). The pool keeps at most DATABASE_POOL_MAX_SIZE connections per process (a
+    connection between requests: without a pool each request opened a new one (4-6 % of a list
+    request in py-spy here, 10-12 % in the issue's runs). The pool keeps at most DATABASE_POOL_MAX_SIZE connections per process (a
     request waits up to DATABASE_POOL_TIMEOUT_S for one, then fails), so N processes hold at most
     N x max connections of the server's max_connections (docs/deployment.md). 0 turns it off.
     """
