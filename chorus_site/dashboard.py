@@ -26,6 +26,7 @@ from django.urls import NoReverseMatch, reverse
 from django.utils import timezone
 from django.views.decorators.cache import never_cache
 
+from chorus_site.ids import short_id
 from chorus_site.models import AuditEntry
 from chorus_site.permissions import has_ops_role
 from chorus_site.times import iso
@@ -142,9 +143,16 @@ def _target_url(target: str) -> str | None:
         return None
 
 
+def _target_label(target: str) -> str:
+    """"turn …5b0596bd" — the distinguishing tail of the id (chorus_site.ids), the whole one on hover."""
+    kind, _, object_id = target.partition(":")
+    return f"{kind} {short_id(object_id)}" if object_id else target
+
+
 def _audit() -> list[dict]:
     return [{"at": iso(a.at), "actor": a.actor, "action": a.action, "target": a.target,
-             "target_url": _target_url(a.target), "outcome": a.outcome, "client": a.client}
+             "target_label": _target_label(a.target), "target_url": _target_url(a.target), "outcome": a.outcome,
+             "client": a.client}
             for a in AuditEntry.objects.order_by("-id")[:AUDIT_SHOWN]]
 
 

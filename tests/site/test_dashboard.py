@@ -228,3 +228,17 @@ def test_a_page_that_may_change_its_record_also_reads_times(client, ops_admin_us
     response = client.get(f"/admin/chorus_site/apitoken/{token.pk}/change/")
     assert response.status_code == 200
     assert '<time class="chorus-when"' in response.content.decode()
+
+
+def test_recent_actions_name_their_targets_by_the_distinguishing_tail(client, operator):
+    from chorus_site.audit import audit_record
+
+    turn = factories.make_turn()
+    audit_record(actor=operator, action="turn.interrupt", target=f"turn:{turn.pk}", outcome="stop requested",
+                 client="admin")
+    _login(client, operator)
+    entry = client.get("/admin/dashboard/summary.json").json()["audit"][0]
+    assert entry["target_label"] == f"turn …{str(turn.pk)[-8:]}"
+    assert entry["target_url"] == f"/admin/sessions_app/turn/{turn.pk}/change/"
+    page = client.get("/admin/").content.decode()
+    assert f'title="turn:{turn.pk}"' in page and f">turn …{str(turn.pk)[-8:]}</a>" in page

@@ -129,7 +129,8 @@
     }
     if (summary.audit) {
       fillTable("chorus-audit", summary.audit, function (tr, a) {
-        cell(tr, when(a.at)); cell(tr, a.actor); cell(tr, a.action); cell(tr, link(a.target_url, a.target));
+        cell(tr, when(a.at)); cell(tr, a.actor); cell(tr, a.action);
+        cell(tr, link(a.target_url, a.target_label)).title = a.target;
         cell(tr, a.outcome);
       }, "No operator actions yet.", 5);
     }
