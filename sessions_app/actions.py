@@ -240,14 +240,22 @@ def turn_interrupt(*, actor, turn_id, client: str = "api", reason: str | None = 
                    idempotency_key: str | None = None) -> dict:
     turn = _get(Turn, turn_id)
     target = f"turn:{turn.pk}"
-    if turn.status == states.INTERRUPTED and turn.interrupted_reason == states.REASON_OFFLINE:
-        # Settled offline while its daemon was away, but the daemon's latest snapshot lists it: the
-        # process lives.  Reopened first (sessions_app.reconcile), so this interrupt reaches it.
+    stop_before = turn.stop_state
+    if turn.status == states.INTERRUPTED and (turn.interrupted_reason == states.REASON_OFFLINE
+                                              or turn.stop_state == states.STOP_NONE):
+        # Settled while its daemon was away, but the daemon's latest snapshot lists it: the process
+        # lives.  Reopened first (sessions_app.reconcile), so this interrupt reaches it; or, when it
+        # may not run again, its daemon is told to stop it there.
         from .reconcile import turn_reconcile_if_listed
 
         turn_reconcile_if_listed(turn=turn)
     with transaction.atomic():
         turn = services.turn_lock(turn.pk, related=("session__connection",))  # session → turn
+        if turn.status == states.INTERRUPTED and stop_before == states.STOP_NONE and turn.stop_state in STOPS_UNDER_WAY:
+            _audit(actor, "turn.interrupt", target, "stop requested (its daemon holds the settled turn's process)",
+                   client=client, reason=reason, idempotency_key=idempotency_key)
+            return {"changed": True, "dispatched": True, "settled": True, "status": turn.status,
+                    "stop_state": turn.stop_state, "deadline": turn.stop_deadline_at.isoformat()}
         if turn.status == states.INTERRUPTED or (
                 turn.status in {states.RUNNING, states.REQUIRES_ACTION} and turn.stop_state != states.STOP_NONE
                 and turn.stop_state != states.STOP_UNCONFIRMED):

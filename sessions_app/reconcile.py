@@ -127,16 +127,20 @@ def turns_reconcile_listed(*, connection_id, listed: dict[str, dict], basis: str
 
 
 def turn_reconcile_if_listed(*, turn: Turn) -> bool:
-    """Before an interrupt: an offline-settled turn its daemon's latest snapshot lists is reopened, so
-    the interrupt reaches the process (SPEC §4.1, issue 7 item 10)."""
+    """Before an interrupt: a settled turn its daemon's latest snapshot lists is reopened (offline), so
+    the interrupt reaches the process, or its daemon is told to stop it (SPEC §4.1, issue 7 item 10).
+    True if reopened."""
     connection = selectors.turn_runner_connection(turn)
     snapshot = connection.last_snapshot or {}
     listed = listed_turns(snapshot.get("running"))
     if str(turn.pk) not in listed:
         return False
-    return turn_reconcile_held(connection_id=connection.pk, turn_id=turn.pk,
-                               evidence={"basis": "snapshot", "snapshot_at": snapshot.get("at"),
-                                         **listed[str(turn.pk)]})
+    evidence = {"basis": "snapshot", "snapshot_at": snapshot.get("at"), **listed[str(turn.pk)]}
+    if turn.interrupted_reason != states.REASON_OFFLINE:
+        turn_stop_held(connection_id=connection.pk, turn_id=turn.pk, evidence=evidence,
+                       refusal=f"it was settled interrupted({turn.interrupted_reason}) while its daemon still held it")
+        return False
+    return turn_reconcile_held(connection_id=connection.pk, turn_id=turn.pk, evidence=evidence)
 
 
 # ---------------------------------------------------------------- pending turns

@@ -156,3 +156,26 @@ def test_a_held_turn_an_operator_marked_interrupted_while_its_daemon_was_away_is
     assert stop.connection_id == a.pk
     assert report(a, turn, status="interrupted", reason="user", stop_state="confirmed").status_code == 200
     assert Turn.objects.get(pk=turn.pk).stop_state == "confirmed"
+
+
+def test_an_interrupt_of_a_settled_turn_its_daemon_lists_reaches_the_process(operator):
+    """Item 10: 'interrupt answers changed: false — nothing in the portal can stop it'.  Marked
+    interrupted while its daemon is frozen (its latest snapshot lists the turn): the operator's
+    interrupt sends the stop to that daemon and says so."""
+    a = online(factories.make_connection(cwds=["/srv/a"]))
+    turn = Turn.objects.get(pk=actions.session_start(actor=operator, connection_id=a.pk, cwd="/srv/a",
+                                                     prompt="@sleep 60")["turn"])
+    assert report(a, turn, status="running", pid=4242).status_code == 200
+    bridge.connection_store_snapshot(connection_id=a.pk, queued=[], running=[held(turn)])
+    Connection.objects.filter(pk=a.pk).update(last_heartbeat_at=timezone.now() - timedelta(hours=1))  # frozen
+    evidence = actions._evidence_without_probe(Turn.objects.get(pk=turn.pk), Connection.objects.get(pk=a.pk))
+    actions.turn_mark_interrupted(actor=operator, turn_id=turn.pk, evidence=evidence)
+
+    answer = actions.turn_interrupt(actor=operator, turn_id=turn.pk)
+
+    assert (answer["changed"], answer["dispatched"], answer["stop_state"]) == (True, True, "requested"), answer
+    [stop] = stops_sent(turn)
+    assert stop.connection_id == a.pk
+    assert AuditEntry.objects.filter(action="turn.interrupt", target=f"turn:{turn.pk}",
+                                     outcome__startswith="stop requested").exists()
+    assert actions.turn_interrupt(actor=operator, turn_id=turn.pk)["changed"] is False  # asked once
