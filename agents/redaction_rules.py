@@ -41,7 +41,10 @@ MASK = "[REDACTED]"
 
 # Candidate variable names; ``_is_secret_name`` then decides (so that KeyError, sort_keys,
 # input_tokens, tokenizer, PWD or KEY_FILE are left alone).
-_SECRET_NAME = r"[A-Za-z0-9_.-]*(?:KEY|TOKEN|SECRET|PASSWORD|PASSWD|PWD|PASSPHRASE|CREDENTIALS?)[A-Za-z0-9_.-]*"
+# Bounded on both sides: with "*" a long run of word characters (a 300,000-character token
+# pasted as an instruction) was scanned to its end from every position, quadratic (20,000
+# characters: 3 s). A variable name is far shorter than 100 characters on each side.
+_SECRET_NAME = r"[A-Za-z0-9_.-]{0,100}(?:KEY|TOKEN|SECRET|PASSWORD|PASSWD|PWD|PASSPHRASE|CREDENTIALS?)[A-Za-z0-9_.-]{0,100}"
 
 # A name is secret when its last word (split on _ . - and camelCase) is one of these ...
 _SECRET_WORDS = {
@@ -147,6 +150,21 @@ _OWN_LAST: list[tuple[re.Pattern, int | tuple[int, ...], object]] = [
     (re.compile(rf"(?i)--({_SECRET_NAME})[= ]({_V}{{4,}})"), 2, lambda m: _secret_value(m.group(1), m.group(2))),
 ]
 
+# A literal each pattern above cannot match without (lower-cased; any one of them): a text whose
+# lower-cased form has none of a pattern's literals skips that pattern (issue 9: running every
+# pattern on every line was most of a report's cost).  Exact for ASCII text; a text with other
+# characters runs every pattern (case-insensitive matching folds a few of them onto ASCII).
+_NAME_LITERALS = ("key", "token", "secret", "password", "passwd", "pwd", "passphrase", "credential")
+_OWN_FIRST_LITERALS = (("private key",), ("chk_",), ("cho_",), ("cht_",))
+_OWN_LAST_LITERALS = (("sk-",), ("xox",), ("hf_",), ("eyj",), ("authorization",), ("bearer", "token", "basic"),
+                      ("://",), _NAME_LITERALS, _NAME_LITERALS, _NAME_LITERALS)
+assert len(_OWN_FIRST_LITERALS) == len(_OWN_FIRST) and len(_OWN_LAST_LITERALS) == len(_OWN_LAST)
+_ALL_LITERALS = frozenset(lit for group in (*_OWN_FIRST_LITERALS, *_OWN_LAST_LITERALS) for lit in group)
+
+
+_LAZY_PREFIX = "[\\w.-]{0,50}?"
+_DOUBLED_PREFIX = _LAZY_PREFIX + "(?i:" + _LAZY_PREFIX  # five of gitleaks' generated rules start so
+
 
 def _load_gitleaks() -> tuple[list, list[re.Pattern], set[str]]:
     """gitleaks' rules as data: [(id, pattern, secret group, min entropy, keywords)], its value allowlist."""
@@ -159,6 +177,14 @@ def _load_gitleaks() -> tuple[list, list[re.Pattern], set[str]]:
         for lead in ("\\b", "(?i)\\b"):  # a JSON escape is a boundary here too
             if regex.startswith(lead):
                 regex = lead[:-2] + _B + regex[len(lead):]
+        # A leading lazy "[\w.-]{0,50}?" (doubled in five rules) only widens the match to the left:
+        # at every position of a long run of word characters it tried 50 (2,500) splits, so a
+        # 300,000-character token took minutes. Only the secret group is masked, and it is found
+        # the same without it.
+        for prefix, kept in ((_DOUBLED_PREFIX, "(?i:"), ("(?i)" + _LAZY_PREFIX, "(?i)"), (_LAZY_PREFIX, "")):
+            if regex.startswith(prefix):
+                regex = kept + regex[len(prefix):]
+                break
         rules.append((rule["id"], re.compile(regex), rule["group"], rule["entropy"], frozenset(rule["keywords"])))
     keywords = tuple(sorted({k for rule in rules for k in rule[4]}))
     return rules, [re.compile(a) for a in data["allowlist"]], keywords
@@ -166,6 +192,11 @@ def _load_gitleaks() -> tuple[list, list[re.Pattern], set[str]]:
 
 _GITLEAKS, _GITLEAKS_ALLOW, _GITLEAKS_KEYWORDS = _load_gitleaks()
 _GITLEAKS_KEYWORD_RE = re.compile("|".join(map(re.escape, _GITLEAKS_KEYWORDS)))
+_GITLEAKS_ALWAYS = tuple(i for i, rule in enumerate(_GITLEAKS) if not rule[4])  # rules without keywords
+_GITLEAKS_BY_KEYWORD: dict[str, list[int]] = {}
+for _index, _rule in enumerate(_GITLEAKS):
+    for _keyword in _rule[4]:
+        _GITLEAKS_BY_KEYWORD.setdefault(_keyword, []).append(_index)
 
 
 def _masked(text: str, span: tuple[int, int], base: int = 0) -> str:
@@ -177,8 +208,12 @@ def _no_secret(secret: str | None) -> bool:
             or bool(_PLACEHOLDER.fullmatch(secret)))
 
 
-def _apply(patterns, text: str, found: set[str]) -> str:
-    for pattern, group, check in patterns:
+def _apply(patterns, text: str, found: set[str], literals=None, present=None) -> str:
+    """``literals``: per pattern, those it needs (see _OWN_LAST_LITERALS); ``present``: those the
+    (ASCII) text holds.  Without them every pattern runs."""
+    for index, (pattern, group, check) in enumerate(patterns):
+        if present is not None and present.isdisjoint(literals[index]):
+            continue
         def replace(match: re.Match, group=group) -> str:
             if isinstance(group, tuple):
                 group = next((g for g in group if match.group(g) is not None), group[0])
@@ -192,14 +227,26 @@ def _apply(patterns, text: str, found: set[str]) -> str:
     return text
 
 
-def _apply_gitleaks(text: str, found: set[str]) -> str:
-    low = text.lower()
-    present = {k for k in _GITLEAKS_KEYWORDS if k in low}  # a rule runs only when one of its keywords is there
+def _keywords_in(low: str, candidates=None) -> set[str]:
+    """The gitleaks keywords in ``low`` (lower-cased text), out of ``candidates`` (default: all)."""
+    return {k for k in (_GITLEAKS_KEYWORDS if candidates is None else candidates) if k in low}
+
+
+def _rules_for(present: set[str]) -> list[int]:
+    """The indexes in ``_GITLEAKS`` (in its order) of the rules one of whose keywords is present."""
+    chosen = set(_GITLEAKS_ALWAYS)
+    for keyword in present:
+        chosen.update(_GITLEAKS_BY_KEYWORD.get(keyword, ()))
+    return sorted(chosen)
+
+
+def _apply_gitleaks(text: str, found: set[str], candidates=None) -> str:
+    """``candidates``: a superset of the keywords in ``text`` (a batch's, StreamRedactor.events), or None."""
+    present = _keywords_in(text.lower(), candidates)  # a rule runs only when one of its keywords is there
     if not present:
         return text
-    for _rule_id, pattern, group, min_entropy, keywords in _GITLEAKS:
-        if keywords and keywords.isdisjoint(present):
-            continue
+    for index in _rules_for(present):
+        _rule_id, pattern, group, min_entropy, _keywords = _GITLEAKS[index]
 
         def replace(match: re.Match, group=group, min_entropy=min_entropy) -> str:
             g = group or next((i for i in range(1, (match.lastindex or 0) + 1) if match.group(i)), 0)
@@ -237,10 +284,16 @@ def _mask_continuations(text: str) -> str:
     return text
 
 
-def _mask_clear(text: str, found: set[str]) -> str:
-    text = _apply(_OWN_FIRST, text, found)
-    text = _apply_gitleaks(text, found)
-    text = _apply(_OWN_LAST, text, found)
+def _mask_clear(text: str, found: set[str], candidates=None, literals=None) -> str:
+    """``candidates``/``literals``: supersets of the gitleaks keywords / our patterns' literals in
+    ``text`` (a batch's, StreamRedactor.events), or None for all."""
+    present = None
+    if text.isascii():  # masking keeps it so (MASK is ASCII), and masking never adds a literal
+        low = text.lower()
+        present = {lit for lit in (_ALL_LITERALS if literals is None else literals) if lit in low}
+    text = _apply(_OWN_FIRST, text, found, _OWN_FIRST_LITERALS, present)
+    text = _apply_gitleaks(text, found, candidates)
+    text = _apply(_OWN_LAST, text, found, _OWN_LAST_LITERALS, present)
     return _mask_continuations(text) if MASK in text else text
 
 
@@ -330,16 +383,36 @@ def _base64_forms(secret: str) -> set[str]:
     return forms
 
 
-def redact(text: str | None) -> str | None:
-    """Mask every secret in ``text``; idempotent."""
+# Base64 runs that hold no secret (decided with nothing found in clear beside them, which then
+# stays so): paths and identifiers repeat in agent output, and decoding each again was a large
+# part of redacting it (issue 9).  Bounded; cleared when full.
+_CLEAN_RUNS: set[str] = set()
+_CLEAN_RUNS_MAX = 20000
+
+
+def _remember_clean(run: str) -> None:
+    if len(_CLEAN_RUNS) >= _CLEAN_RUNS_MAX:
+        _CLEAN_RUNS.clear()
+    _CLEAN_RUNS.add(run)
+
+
+def redact(text: str | None, *, keywords=None, literals=None) -> str | None:
+    """Mask every secret in ``text``; idempotent.  ``keywords``: a superset of the gitleaks
+    keywords in ``text`` (see ``_apply_gitleaks``), or None for all."""
     if not text:
         return text
     found: set[str] = set()
-    text = _mask_clear(text, found)
+    text = _mask_clear(text, found, keywords, literals)
 
     def replace_run(match: re.Match) -> str:
         run = match.group(0)
-        return MASK if _holds_secret(run, found, _BASE64_DEPTH) else run
+        if not found and run in _CLEAN_RUNS:
+            return run
+        if _holds_secret(run, found, _BASE64_DEPTH):
+            return MASK
+        if not found:
+            _remember_clean(run)
+        return run
 
     text = _BASE64_RUN.sub(replace_run, text)
     for secret in sorted(found, key=len, reverse=True):
@@ -413,6 +486,11 @@ class StreamRedactor:
     def __init__(self):
         self.in_key = False
         self.tail_masked = False
+        self.keywords = None  # while a batch is redacted: the gitleaks keywords present in it
+        self.literals = None  # ... and the literals our patterns need (_ALL_LITERALS) present in it
+
+    def _redact(self, text):
+        return redact(text, keywords=self.keywords, literals=self.literals)
 
     def text(self, text: str) -> str:
         if not text:
@@ -425,7 +503,7 @@ class StreamRedactor:
             text = MASK + text[end.end():]
         elif self.tail_masked and _RUN_LINE.fullmatch(text) and _continues(text.strip()):
             return MASK
-        out = redact(text)
+        out = self._redact(text)
         begins = list(_PEM_BEGIN.finditer(text))
         if begins and not _PEM_END.search(text, begins[-1].end()):
             self.in_key = True
@@ -435,17 +513,40 @@ class StreamRedactor:
     def event(self, event):
         """An event (``{kind, data}``): its free-text fields through this stream, the rest redacted."""
         if not isinstance(event, dict):
-            return redact_structure(event)
-        out = redact_structure({k: v for k, v in event.items() if k != "data"})
+            return redact_structure(event, text=self._redact)
+        out = redact_structure({k: v for k, v in event.items() if k != "data"}, text=self._redact)
         data = event.get("data")
         if isinstance(data, dict):
             data = {clean_text(k) if isinstance(k, str) else k: v for k, v in data.items()}
             stream = {k: self.text(clean_text(v)) for k, v in data.items() if k in STREAM_FIELDS and isinstance(v, str)}
-            rest = redact_structure({k: v for k, v in data.items() if k not in stream})
+            rest = redact_structure({k: v for k, v in data.items() if k not in stream}, text=self._redact)
             out["data"] = {k: stream[k] if k in stream else rest[k] for k in data}
         elif "data" in event:
-            out["data"] = redact_structure(data)
+            out["data"] = redact_structure(data, text=self._redact)
         return out
 
     def events(self, events: list) -> list:
-        return [self.event(event) for event in events]
+        """A batch, in order.  The gitleaks keywords present are looked for once in the whole batch
+        (issue 9: that scan was most of the cost of a report); each text then checks only those."""
+        texts: list[str] = []
+        _texts_of(events, texts)
+        joined = "\n".join(texts).lower()
+        self.keywords = _keywords_in(joined)
+        self.literals = frozenset(lit for lit in _ALL_LITERALS if lit in joined)
+        try:
+            return [self.event(event) for event in events]
+        finally:
+            self.keywords = self.literals = None
+
+
+def _texts_of(value, out: list) -> None:
+    if isinstance(value, str):
+        out.append(value)
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            if isinstance(key, str):
+                out.append(key)
+            _texts_of(item, out)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            _texts_of(item, out)
