@@ -57,15 +57,17 @@ def event_append(*, stream: str, kind: str, data: dict | None = None, actor: str
         )
         EventStream.objects.filter(name=stream).update(last_event_id=event.id)
     if broadcast:
-        message = event.as_message()
-        transaction.on_commit(lambda: broadcast_event(message))
+        messages = [event.as_message()]
+        transaction.on_commit(lambda: broadcast_events(stream, messages))
     return event
 
 
-def events_append_many(*, stream: str, items: list[dict], actor: str = "") -> list[Event]:
-    """Append a batch (``[{kind, data}]``) to one stream with one counter update and one INSERT.
+def events_append_many(*, stream: str, items: list[dict], actor: str = "", redacted: bool = False) -> list[Event]:
+    """Append a batch (``[{kind, data}]``) to one stream: one counter update, one INSERT, and one
+    broadcast after commit carrying the whole batch (issue 9).
 
-    The data comes from agents, so it is redacted before it is stored.
+    The data comes from agents, so it is redacted before it is stored, unless the caller already
+    did (``redacted``: the daemon report route redacts the whole report once, in order).
     """
     if not items:
         return []
@@ -74,42 +76,71 @@ def events_append_many(*, stream: str, items: list[dict], actor: str = "") -> li
         first = last - len(items) + 1
         now = timezone.now()
         events = Event.objects.bulk_create([
-            Event(stream=stream, seq=first + i, kind=item["kind"], data=redact_data(item.get("data") or {}),
+            Event(stream=stream, seq=first + i, kind=item["kind"],
+                  data=(item.get("data") or {}) if redacted else redact_data(item.get("data") or {}),
                   actor=actor, at=now)
             for i, item in enumerate(items)
         ])
-        EventStream.objects.filter(name=stream).update(last_event_id=max(e.id for e in events))
+        EventStream.objects.filter(name=stream).update(last_event_id=events[-1].id)
     messages = [e.as_message() for e in events]
-    transaction.on_commit(lambda: [broadcast_event(m) for m in messages])
+    transaction.on_commit(lambda: broadcast_events(stream, messages))
     return events
 
 
-def broadcast_event(message: dict) -> None:
+# A group message carries at most this many events; a larger batch leaves as several messages.
+BROADCAST_EVENTS_MAX = 1000
+# Agent output: the bulk of all events, and nothing a changelist or the dashboard shows.
+OUTPUT_KINDS = frozenset({"turn.output"})
+
+
+def is_summary(message: dict) -> bool:
+    """An event the ``dashboard`` stream carries (changelists and the index re-read on it): every
+    change of an object's state (turn.stalled / turn.unstalled included), not the agents' output
+    (issue 9: that firehose went to every dashboard subscriber)."""
+    return message["kind"] not in OUTPUT_KINDS
+
+
+def batch_message(stream: str, messages: list[dict], group: str | None = None) -> dict:
+    """The channel-layer message of committed events of one stream, oldest first (live.py follows);
+    ``group``: the group it is sent to (the process' fan-out routes by it)."""
+    return {"type": "events.batch", "stream": stream, "group": group or stream_group(stream), "events": messages}
+
+
+def broadcast_events(stream: str, messages: list[dict]) -> None:
+    """After commit: one group message per batch to the stream's group, and the summaries among
+    them (state changes, not output) to the dashboard's."""
     try:
         asyncio.get_running_loop()
     except RuntimeError:
-        _send(message)
+        _send(stream, messages)
         return
     # Sync code on a thread that hosts an event loop (async_to_sync refuses to run there):
     # send from a helper thread, and wait for it so events still leave in commit order.
-    sender = threading.Thread(target=_send, args=(message,), name="chorus-broadcast")
+    sender = threading.Thread(target=_send, args=(stream, messages), name="chorus-broadcast")
     sender.start()
     sender.join()
 
 
-def _send(message: dict) -> None:
+def _send(stream: str, messages: list[dict]) -> None:
     """Never raises: it runs after the commit, inside the request (or task) that made the change,
     whose answer must not turn into an error because Redis is down.  Bounded by the layer's
     socket timeouts (settings.CHANNEL_LAYERS); followers catch up from the log by cursor."""
-    payload = {"type": "event.message", "event": message}
     try:
         layer = get_channel_layer()
-        if layer is None:
+        if layer is None or not messages:
             return
-        async_to_sync(layer.group_send)(stream_group(message["stream"]), payload)
-        async_to_sync(layer.group_send)(DASHBOARD_GROUP, payload)
+        async_to_sync(_publish)(layer, stream, messages)
     except Exception:  # the log is the truth; a lost wake-up is caught up by cursor
-        log.warning("broadcast of event %s failed", message["id"], exc_info=True)
+        log.warning("broadcast of events %s..%s failed", messages[0]["id"], messages[-1]["id"], exc_info=True)
+
+
+async def _publish(layer, stream: str, messages: list[dict]) -> None:
+    group = stream_group(stream)
+    for start in range(0, len(messages), BROADCAST_EVENTS_MAX):
+        await layer.group_send(group, batch_message(stream, messages[start:start + BROADCAST_EVENTS_MAX]))
+    summaries = [m for m in messages if is_summary(m)]
+    if summaries:
+        await layer.group_send(DASHBOARD_GROUP, batch_message(DASHBOARD_GROUP, summaries, DASHBOARD_GROUP))
 
 
 def parse_cursor(raw) -> int | None:

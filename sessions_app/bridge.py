@@ -126,14 +126,21 @@ def connection_store_spool_health(*, connection_id, spool: dict) -> None:
     Connection.objects.filter(pk=connection_id).update(**_with_spool_health(spool))
 
 
+def connection_seen(*, connection_id, spool: dict | None = None) -> bool:
+    """The daemon was heard (a frame of any kind, issue 9 item 2): ``last_heartbeat_at``, which the
+    stale sweep judges, is now.  One UPDATE; False while the connection is offline (its heartbeat,
+    ``connection_heartbeat``, brings it back online)."""
+    return bool(Connection.objects.filter(pk=connection_id).exclude(status=states.CONN_OFFLINE).update(
+        last_heartbeat_at=timezone.now(), **_with_spool_health(spool)))
+
+
 def connection_heartbeat(*, connection_id, spool: dict | None = None, running: list | None = None) -> None:
     """Frequent and cheap: no event; the status flips back online if a sweep had marked it offline.
 
     ``running``: the turns the daemon runs (ids).  One that the sweep settled offline meanwhile (a
     daemon frozen, its socket still open: no new hello or snapshot follows) is reopened at once.
     """
-    updated = Connection.objects.filter(pk=connection_id).exclude(status=states.CONN_OFFLINE).update(
-        last_heartbeat_at=timezone.now(), **_with_spool_health(spool))
+    updated = connection_seen(connection_id=connection_id, spool=spool)
     if not updated:
         try:
             services.connection_set_status(connection_id=connection_id, status=states.CONN_ONLINE,
@@ -634,5 +641,6 @@ def _apply_events(connection: Connection, turn_id, events: list) -> dict:
         # must not overwrite the turn's, which the timelines and the engine filter on.
         items.append({"kind": "turn.output", "data": {"id": str(turn.pk), "type": raw["kind"], "data": data}})
     _retrying_follow(turn, items)
-    events_append_many(stream=turn.stream, items=items)
+    # Redacted above, once for the whole report: one INSERT, one broadcast after commit (issue 9).
+    events_append_many(stream=turn.stream, items=items, redacted=True)
     return {"accepted": len(items), "skipped": len(events) - len(items)}

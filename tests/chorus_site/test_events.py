@@ -257,10 +257,10 @@ async def test_event_is_broadcast_after_commit_and_not_when_rolled_back():
         committed = await sync_to_async(_append_committed)(stream, n=1)
         message = await asyncio.wait_for(layer.receive(channel), timeout=10)
         # The first message to arrive is the committed event: the rolled-back one was never sent.
-        assert message["type"] == "event.message"
-        assert message["event"]["id"] == committed.id
-        assert message["event"]["stream"] == stream
-        assert message["event"]["data"] == {"n": 1}
+        assert message["type"] == "events.batch"
+        assert [e["id"] for e in message["events"]] == [committed.id]
+        assert message["stream"] == message["events"][0]["stream"] == stream
+        assert message["events"][0]["data"] == {"n": 1}
     finally:
         await layer.group_discard(stream_group(stream), channel)
 

@@ -8,7 +8,7 @@ from channels.layers import get_channel_layer
 from channels.testing import WebsocketCommunicator
 
 from chorus_site.consumers import LiveConsumer
-from chorus_site.events import event_append, stream_group
+from chorus_site.events import batch_message, event_append, stream_group
 from chorus_site.models import Event
 from sessions_app import services
 from tests import factories
@@ -81,8 +81,8 @@ async def test_outsider_cannot_subscribe_and_receives_nothing(outsider):
     await communicator.send_json_to({"type": "subscribe", "stream": session.stream})
     answer = await communicator.receive_json_from(timeout=TIMEOUT)
     assert answer["type"] == "error" and answer["code"] == "not_found"
-    await get_channel_layer().group_send(stream_group(session.stream), {"type": "event.message", "event": {
-        "id": 10**12, "stream": session.stream, "seq": 1, "kind": "x", "data": {}, "actor": "", "at": ""}})
+    await get_channel_layer().group_send(stream_group(session.stream), batch_message(session.stream, [{
+        "id": 10**12, "stream": session.stream, "seq": 1, "kind": "x", "data": {}, "actor": "", "at": ""}]))
     assert await communicator.receive_nothing(timeout=0.5)
     await communicator.disconnect()
 

@@ -147,14 +147,16 @@
       if (message.type === "subscribed") {
         delay = 500;
         if (message.cursor !== null && cursors[message.stream] === undefined) cursors[message.stream] = message.cursor;
-      } else if (message.type === "event") {
-        var event = message.event;
-        if (streams.indexOf(event.stream) >= 0) cursors[event.stream] = event.id;
-        updateBadges(event);
-        appendTimeline(event);
-        appendTurn(event);
-        refreshSections(event);
-        document.dispatchEvent(new CustomEvent("chorus:event", {detail: event}));
+      } else if (message.type === "event" || message.type === "events") {
+        // "events": several of one stream at once (agent output is sent a few times a second).
+        (message.type === "event" ? [message.event] : message.events).forEach(function (event) {
+          if (streams.indexOf(event.stream) >= 0) cursors[event.stream] = event.id;
+          updateBadges(event);
+          appendTimeline(event);
+          appendTurn(event);
+          refreshSections(event);
+          document.dispatchEvent(new CustomEvent("chorus:event", {detail: event}));
+        });
       } else if (message.type === "error") {
         setIndicator("offline", message.code);
       }
