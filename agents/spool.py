@@ -5,10 +5,18 @@ when the portal has answered for it.
   report is written to a temporary name, fsynced and renamed into place (atomic on POSIX), so a
   crash leaves either the whole report or none of it. File names start with a sequence number,
   which keeps the order in which the daemon produced the reports across restarts.
-* ``ReportSender`` — sends spooled reports over HTTP. Reports of one *lane* (one turn) go strictly
-  in order, one at a time, so a turn's events arrive before its final ``advance``; lanes are
-  independent, so one turn the portal refuses does not hold up the others. A failed send is
-  retried with exponential backoff (``kick()`` retries at once, e.g. after a reconnect).
+* ``ReportSender`` — sends spooled reports over HTTP. Reports of one *lane* (one turn) go one at a
+  time; lanes are independent, so one turn the portal refuses does not hold up the others. A failed
+  send is retried with exponential backoff (``kick()`` retries at once, e.g. after a reconnect).
+  Within a lane (issue 9 item 1) the steps of a stop (``advance`` with a stop state: signalled,
+  escalated, confirmed; interrupted) go *ahead of* output (``events``) still queued, so a stop is
+  never late because output queued ahead of it; status changes stay in their order among
+  themselves, and the others (running, requires_action, ended) come after the output before them,
+  from which the portal derives what the end means (the agent's outcome); output goes in order. While output waits, a new batch of
+  events is merged into the lane's last queued events report (up to MERGE_EVENTS_MAX events /
+  MERGE_BYTES_MAX bytes, and only while that report was never sent: its file is rewritten
+  atomically under the same report id), so a busy turn sends a few large reports, not one per
+  flush of its agent's output.
 
 What an answer means: 2xx — applied (or applied before: the portal dedupes by ``report_id`` and
 answers the same), the file is deleted. A refusal (409 other than ``idempotency_in_progress``, or
@@ -55,6 +63,10 @@ HTTP_TIMEOUT_S = 20.0
 REFUSED_BACKOFF_FIRST_S = 2.0
 REFUSED_ATTEMPTS = 6      # a refused report is asked again this often (~1 min at the cap) before it is parked
 PARKED_DIR = "parked"
+# Bounds of a merged events report: the portal takes up to 1,000 events per report
+# (sessions_app/daemon_schemas.EVENTS_PER_REPORT_MAX) in a body of up to 2.5 MB (Django's default).
+MERGE_EVENTS_MAX = 1000
+MERGE_BYTES_MAX = 1024 * 1024
 
 
 class SpoolLocked(RuntimeError):
@@ -74,6 +86,7 @@ class SpoolEntry:
     body: dict
     created_at: float
     answer: tuple[int, str] | None = None   # the portal's last answer (status, start of its body)
+    submitted: Any = None                   # its _Submitted while this run of the daemon may merge into it
 
     @property
     def report_id(self) -> str:
@@ -122,6 +135,23 @@ class Spool:
         finally:
             os.close(fd)
         os.replace(tmp, os.path.join(self.directory, name))
+        _fsync_dir(self.directory)
+        return entry
+
+    def rewrite(self, entry: SpoolEntry, body: dict) -> SpoolEntry:
+        """Replace a spooled report's body durably, atomically, under the same name (a merge)."""
+        data = json.dumps({"lane": entry.lane, "path": entry.path, "body": body, "created_at": entry.created_at},
+                          separators=(",", ":"), default=str).encode()
+        tmp = os.path.join(self.directory, f".tmp-{entry.name}")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, os.path.join(self.directory, entry.name))
         _fsync_dir(self.directory)
         return entry
 
@@ -243,6 +273,25 @@ def classify(status: int, text: str = "") -> str:
 
 # ------------------------------------------------------------------------------------ sender
 
+def is_events_path(path: str) -> bool:
+    return path.endswith("/events")
+
+
+@dataclass
+class _Submitted:
+    """A report submitted in this run of the daemon: what may still be merged into it."""
+
+    lane: str
+    path: str
+    body: dict
+    events: int = 0
+    size: int = 0
+    entry: SpoolEntry | None = None      # once on disk
+    write: asyncio.Future | None = None  # its latest write (a merge rewrites the file)
+    mergeable: bool = False              # an events report never sent (frozen before its first send)
+    rewrite_queued: bool = False         # a rewrite waits in the writer: it will write the latest body
+
+
 class ReportSender:
     """Sends spooled reports, in order per lane, with retries; see the module docstring."""
 
@@ -264,6 +313,8 @@ class ReportSender:
         self.unspooled = 0                         # reports that could not be written (disk full…), logged
         self.last_refusal: dict | None = None
         self._lanes: dict[str, deque[SpoolEntry]] = {}
+        self._tails: dict[str, _Submitted] = {}    # lane -> its last submitted report
+        self.merged = 0                            # events reports merged into an earlier one
         self._workers: dict[str, asyncio.Task] = {}
         self._kick = asyncio.Event()
         self._idle = asyncio.Event()
@@ -284,15 +335,79 @@ class ReportSender:
         """Spool a report durably in the writer thread, then queue it for sending.
 
         Returns at once (the event loop never waits on fsync); the future answers the entry once the
-        report is on disk, and only then is it queued. ``drain()`` and ``close()`` wait for it.
+        report is on disk, and only then is it queued. ``drain()`` and ``close()`` wait for it.  An
+        events report may instead be merged into the lane's last one (see the module docstring).
         """
         self._idle.clear()
         loop = asyncio.get_running_loop()
-        write = loop.run_in_executor(self._writer, functools.partial(self.spool.put, lane=lane, path=path, body=body))
+        merged = self._merge(lane, path, body)
+        if merged is not None:
+            return merged
+        record = _Submitted(lane=lane, path=path, body=body, mergeable=is_events_path(path))
+        if record.mergeable:
+            record.events, record.size = len(body.get("events") or []), _size(body.get("events"))
+        self._tails[lane] = record
+        write = loop.run_in_executor(self._writer, self._put, record)
+        record.write = write
         self._writes.add(write)
         self._writing[lane] = self._writing.get(lane, 0) + 1
         write.add_done_callback(functools.partial(self._written, lane))  # callbacks run in completion order: the writer's FIFO
         return write
+
+    def _put(self, record: _Submitted) -> SpoolEntry:
+        """In the writer thread: the report's first write."""
+        record.entry = self.spool.put(lane=record.lane, path=record.path, body=record.body)
+        record.entry.submitted = record
+        return record.entry
+
+    def _merge(self, lane: str, path: str, body: dict) -> asyncio.Future | None:
+        """Append an events report's events to the lane's last report if that is an events report
+        never sent and the result stays within the bounds; the future answers once on disk."""
+        tail = self._tails.get(lane)
+        events = body.get("events")
+        if tail is None or not tail.mergeable or tail.path != path or not isinstance(events, list):
+            return None
+        size = _size(events)
+        if tail.events + len(events) > MERGE_EVENTS_MAX or tail.size + size > MERGE_BYTES_MAX:
+            return None
+        # A new dict and list: the writer thread may still be serialising the previous ones.
+        tail.body = {**tail.body, "events": [*tail.body.get("events", []), *events]}
+        tail.events += len(events)
+        tail.size += size
+        if tail.entry is not None:
+            tail.entry.body = tail.body
+        self.merged += 1
+        if tail.rewrite_queued:  # not started yet: it reads the body when it runs, this batch included
+            return tail.write
+        tail.rewrite_queued = True
+        write = asyncio.get_running_loop().run_in_executor(self._writer, self._rewrite, tail)
+        tail.write = write
+        self._writes.add(write)
+        self._writing[lane] = self._writing.get(lane, 0) + 1
+        write.add_done_callback(functools.partial(self._rewritten, lane))
+        return write
+
+    def _rewrite(self, record: _Submitted) -> SpoolEntry:
+        """In the writer thread, after the record's first write (the writer's FIFO).  The body is
+        read now, after the flag is cleared: a merge made later queues a rewrite of its own."""
+        record.rewrite_queued = False
+        body = record.body  # replaced (never changed in place) by the event loop
+        if record.entry is None:
+            raise OSError("the report this batch was merged into could not be written")
+        return self.spool.rewrite(record.entry, body)
+
+    def _rewritten(self, lane: str, write: asyncio.Future) -> None:
+        self._writes.discard(write)
+        self._writing[lane] -= 1
+        if not self._writing[lane]:
+            del self._writing[lane]
+        if write.cancelled() or write.exception() is not None:
+            # The file keeps the events before this merge; the merged report is still sent whole
+            # from memory (a daemon killed before that loses those events, as unflushed output).
+            self.unspooled += 1
+            log.error("merged events could not be written to the spool %s: %s", self.spool.directory,
+                      "cancelled" if write.cancelled() else write.exception())
+        self._maybe_idle()
 
     def _written(self, lane: str, write: asyncio.Future) -> None:
         self._writes.discard(write)
@@ -303,9 +418,15 @@ class ReportSender:
             self.unspooled += 1
             log.error("a report could not be written to the spool %s: %s", self.spool.directory,
                       "cancelled" if write.cancelled() else write.exception())
+            tail = self._tails.get(lane)
+            if tail is not None and tail.entry is None:
+                tail.mergeable = False  # nothing on disk to merge into
             self._maybe_idle()
             return
-        self._enqueue(write.result())
+        entry = write.result()
+        if entry.submitted is not None:
+            entry.body = entry.submitted.body  # merges made while it was being written
+        self._enqueue(entry)
 
     def _maybe_idle(self) -> None:
         if not self._lanes and not self._writes:
@@ -391,9 +512,17 @@ class ReportSender:
         delay = self.backoff_first_s
         failures = 0
         refusals = 0
+        current = None
         try:
             while queue:
-                entry = queue[0]
+                entry = _next_in_lane(queue)
+                if entry is not current:  # an advance came in while a report was being retried
+                    current, failures, refusals, delay = entry, 0, 0, self.backoff_first_s
+                record = entry.submitted
+                if record is not None:
+                    record.mergeable = False  # frozen: what is sent is what a retry sends again
+                    if record.write is not None and not record.write.done():
+                        await asyncio.wait([record.write])  # the file holds what is sent
                 outcome = await self._send(entry, quiet=failures % 10 != 0)
                 if outcome == "retry":
                     failures += 1
@@ -415,12 +544,16 @@ class ReportSender:
                     self.spool.remove(entry)
                 failures = refusals = 0
                 delay = self.backoff_first_s
-                queue.popleft()
+                queue.remove(entry)
+                if record is not None and self._tails.get(lane) is record:
+                    del self._tails[lane]
         finally:
             if self._workers.get(lane) is asyncio.current_task():
                 del self._workers[lane]
             if not queue:
                 self._lanes.pop(lane, None)
+                if lane not in self._writing:
+                    self._tails.pop(lane, None)
             # Cancelled with reports left (close()): they stay in the spool for the next start.
             self._maybe_idle()
 
@@ -476,6 +609,25 @@ class ReportSender:
             return True
         except asyncio.TimeoutError:
             return False
+
+
+def is_stop_report(entry: SpoolEntry) -> bool:
+    """A step of a stop (signalled, escalated, confirmed; the turn interrupted)."""
+    return not is_events_path(entry.path) and (bool(entry.body.get("stop_state"))
+                                               or entry.body.get("status") == "interrupted")
+
+
+def _next_in_lane(queue: deque[SpoolEntry]) -> SpoolEntry:
+    """The lane's next report: its oldest status change if that is a step of a stop (it skips the
+    output queued before it), else its oldest report.  Other status changes (running,
+    requires_action, ended) keep their place after the output before them: the portal derives
+    from that output what the end means (the agent's outcome: executions.engine.turn_outcome)."""
+    first_status = next((entry for entry in queue if not is_events_path(entry.path)), None)
+    return first_status if first_status is not None and is_stop_report(first_status) else queue[0]
+
+
+def _size(events) -> int:
+    return len(json.dumps(events or [], separators=(",", ":"), default=str))
 
 
 def make_poster(base_url: str, key: str, *, user_agent: str = "chorus-daemon") -> Poster:

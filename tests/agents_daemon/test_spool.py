@@ -93,12 +93,13 @@ async def test_sends_in_order_per_lane_and_deletes_after_2xx(tmp_path):
     spool = Spool(str(tmp_path))
     sender = ReportSender(spool, portal.post, backoff_first_s=0.01)
     for i in range(5):
-        sender.submit(lane="t1", path="/daemon/turns/t1/events", body={"report_id": f"t1-{i}", "events": []})
-        sender.submit(lane="t2", path="/daemon/turns/t2/events", body={"report_id": f"t2-{i}", "events": []})
+        for lane in ("t1", "t2"):
+            sender.submit(lane=lane, path=f"/daemon/turns/{lane}/events",
+                          body={"report_id": f"{lane}-{i}", "events": [{"kind": "text", "data": {"n": i}}]})
     assert await sender.drain(5)
-    order = [body["report_id"] for _, body in portal.received]
-    assert [r for r in order if r.startswith("t1")] == [f"t1-{i}" for i in range(5)]
-    assert [r for r in order if r.startswith("t2")] == [f"t2-{i}" for i in range(5)]
+    for lane in ("t1", "t2"):  # every event once, in order (batches may have been merged: issue 9)
+        sent = [event["data"]["n"] for path, body in portal.received if f"/{lane}/" in path for event in body["events"]]
+        assert sent == list(range(5))
     assert spool.count() == 0
     await sender.close()
     spool.close()
@@ -232,6 +233,7 @@ async def test_portal_down_then_daemon_restart_resends_everything_once_in_order(
     assert sender.load_pending() == 3
     sender.submit(lane="t1", path="/daemon/turns/t1/events", body={"report_id": "later", "events": []})
     assert await sender.drain(5)
+    # An end keeps its place after the output before it (its outcome is derived from that output).
     assert [b["report_id"] for _, b in portal.received] == ["run", "ev", "end", "later"]
     assert portal.applied == {"run": 1, "ev": 1, "end": 1, "later": 1}
     assert spool.count() == 0
@@ -253,5 +255,104 @@ async def test_a_failing_poster_never_loses_a_report(tmp_path):
     sender.submit(lane="t", path="/p", body={"report_id": "x"})
     assert await sender.drain(5)
     assert calls == ["x", "x", "x"] and spool.count() == 0
+    await sender.close()
+    spool.close()
+
+
+# ---------------------------------------------------------------- issue 9 item 1: batches, status first
+def events_body(report_id, first, count):
+    return {"report_id": report_id, "events": [{"kind": "text", "data": {"n": n}} for n in range(first, first + count)]}
+
+
+def sent_events(portal):
+    return [e["data"]["n"] for path, body in portal.received if path.endswith("/events") for e in body["events"]]
+
+
+async def test_a_stop_confirmation_queued_behind_bulk_output_is_sent_first(tmp_path):
+    portal = FakePortal()
+    portal.down = True
+    spool = Spool(str(tmp_path))
+    sender = ReportSender(spool, portal.post, backoff_first_s=0.01, backoff_cap_s=0.02)
+    writes = [sender.submit(lane="t", path="/daemon/turns/t/advance", body={"report_id": "run", "status": "running"})]
+    for i in range(40):
+        writes.append(sender.submit(lane="t", path="/daemon/turns/t/events", body=events_body(f"ev{i}", 10 * i, 10)))
+    writes.append(sender.submit(lane="t", path="/daemon/turns/t/advance", body={
+        "report_id": "stop", "status": "interrupted", "reason": "user", "stop_state": "confirmed"}))
+    await asyncio.gather(*writes)  # all on disk while the portal is down
+    portal.down = False
+    assert await sender.drain(5)
+    order = [body["report_id"] for _, body in portal.received]
+    assert order[:2] == ["run", "stop"]  # not behind the 40 batches of output
+    assert sent_events(portal) == list(range(400))  # the output still comes, whole and in order
+    assert spool.count() == 0
+    await sender.close()
+    spool.close()
+
+
+async def test_an_end_comes_after_its_output_and_a_later_stop_does_not_pass_it(tmp_path):
+    portal = FakePortal()
+    portal.down = True
+    spool = Spool(str(tmp_path))
+    sender = ReportSender(spool, portal.post, backoff_first_s=0.01, backoff_cap_s=0.02)
+    writes = [sender.submit(lane="t", path="/daemon/turns/t/advance", body={"report_id": "run", "status": "running"})]
+    writes += [sender.submit(lane="t", path="/daemon/turns/t/events", body=events_body(f"ev{i}", 10 * i, 10))
+               for i in range(5)]
+    writes.append(sender.submit(lane="t", path="/daemon/turns/t/advance", body={"report_id": "end", "status": "ended"}))
+    writes.append(sender.submit(lane="t", path="/daemon/turns/t/advance", body={
+        "report_id": "late-stop", "status": "interrupted", "reason": "user", "stop_state": "confirmed"}))
+    await asyncio.gather(*writes)
+    portal.down = False
+    assert await sender.drain(5)
+    order = [body["report_id"] for _, body in portal.received]
+    assert order[0] == "run" and order[-2:] == ["end", "late-stop"]  # status changes keep their order
+    assert sent_events(portal) == list(range(50))
+    await sender.close()
+    spool.close()
+
+
+async def test_queued_batches_of_a_turn_are_merged_within_bounds_and_on_disk(tmp_path):
+    from agents.spool import MERGE_EVENTS_MAX
+
+    portal = FakePortal()
+    portal.down = True
+    spool = Spool(str(tmp_path))
+    sender = ReportSender(spool, portal.post, backoff_first_s=0.01, backoff_cap_s=0.02)
+    batches, size = 60, 30
+    for i in range(batches):
+        sender.submit(lane="t", path="/daemon/turns/t/events", body=events_body(f"ev{i}", size * i, size))
+    assert not await sender.drain(0.1)
+    await sender.close()  # the daemon stops with the portal down: the merged reports are on disk
+    spool.close()
+    spool = Spool(str(tmp_path))
+    stored = spool.pending()
+    assert len(stored) < batches / 10
+    assert [e["data"]["n"] for entry in stored for e in entry.body["events"]] == list(range(batches * size))
+    portal.down = False
+    sender = ReportSender(spool, portal.post, backoff_first_s=0.01)
+    assert sender.load_pending() == len(stored)
+    assert await sender.drain(5)
+    assert sent_events(portal) == list(range(batches * size))  # once each, in order
+    assert all(len(body["events"]) <= MERGE_EVENTS_MAX for _, body in portal.received)
+    assert len(portal.received) == len(stored) and spool.count() == 0
+    await sender.close()
+    spool.close()
+
+
+async def test_a_report_once_sent_is_never_merged_into(tmp_path):
+    """Its retry must carry what the portal may already have applied under its report id."""
+    portal = FakePortal()
+    portal.status_for = {"ev0": 503}
+    spool = Spool(str(tmp_path))
+    sender = ReportSender(spool, portal.post, backoff_first_s=0.05, backoff_cap_s=0.05)
+    sender.submit(lane="t", path="/daemon/turns/t/events", body=events_body("ev0", 0, 5))
+    await wait_until(lambda: portal.received, timeout=5)
+    for i in range(1, 4):
+        sender.submit(lane="t", path="/daemon/turns/t/events", body=events_body(f"ev{i}", 5 * i, 5))
+    await wait_until(lambda: len(portal.received) >= 2, timeout=5)
+    portal.status_for = {}
+    assert await sender.drain(5)
+    first_sends = [body for _, body in portal.received if body["report_id"] == "ev0"]
+    assert all(len(body["events"]) == 5 for body in first_sends)
+    assert portal.applied["ev0"] == 1 and sent_events(portal)[-15:] == list(range(5, 20))
     await sender.close()
     spool.close()
