@@ -20,7 +20,6 @@ from django.utils import timezone
 
 from agents import protocol
 from chorus_site import presence
-from chorus_site import presence
 from chorus_site.errors import ApplicationError
 from chorus_site.events import event_append, events_append_many
 from chorus_site.idempotency import idempotent_call
