@@ -98,6 +98,8 @@ def test_the_index_renders_the_dashboard_for_ops_roles_only(client, operator, ou
     assert 'id="chorus-dashboard"' in page and "Needs attention" in page
     assert 'data-dash-count="turns_stuck"' in page
     assert "chorus/vendor/chart.umd.min.js" in page and "<script>" not in page  # CSP: no inline script
+    assert 'id="chorus-chart-runs-empty">none in the last 24 h' in page  # no run: said so, not an empty axis
+    assert 'id="chorus-chart-turns-empty" hidden>' in page
     # Deciding is an operator's action: their approval and review counts lead to the inbox.
     attention = _attention(client)
     assert attention["approvals_waiting"]["url"] == "/admin/executions/issue/inbox/"

@@ -33,6 +33,8 @@
 
   function drawChart(name, chart) {
     var canvas = document.getElementById("chorus-chart-" + name);
+    var empty = document.getElementById("chorus-chart-" + name + "-empty");
+    if (empty && chart) empty.hidden = chart.series.length > 0;
     if (!canvas || !chart || typeof window.Chart === "undefined") return;
     var existing = charts[name];
     if (existing) {
