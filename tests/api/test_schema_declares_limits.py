@@ -5,10 +5,13 @@ values the server may refuse (0, -1 and a huge number for integers; an arbitrary
 strings).  A parameter whose values the server refuses must declare what it accepts (bounds, an
 ``enum`` or a ``format``), and what it declares must be exactly what the server accepts: both
 bounds accepted and one past each refused, every enum value accepted, a value outside refused.
-Opaque cursors (``cursor``, ``after``) are validated but not enumerable.
+Opaque cursors (``cursor``, ``after``) are validated but not enumerable.  Bodies likewise: a field
+of a POST body that the server refuses with a list of what is ``allowed`` must declare that enum.
 """
 
 from __future__ import annotations
+
+import json
 
 import pytest
 from django.test import Client
@@ -16,6 +19,7 @@ from django.test import Client
 from chorus_site.api import api
 from chorus_site.tokens import token_create
 from tests import factories
+from tests.api.test_access_matrix import world  # noqa: F401 — fixture: one object of every kind, credentials
 
 pytestmark = pytest.mark.django_db
 
@@ -94,3 +98,35 @@ def test_a_date_time_with_any_iso_offset_is_compared_in_utc(call):
     assert call("/api/v1/runs", "created_after", "0007-12-30T02:14:31.367-17:34") == 200
     assert call("/api/v1/runs", "created_before", "2026-01-01T00:00:00+23:59") == 200
     assert call("/api/v1/runs", "created_after", "0001-01-01T00:00:00+05:00") == 400  # no UTC value
+
+
+# A cwd is checked against the connection's own roots: data, not a schema's enum.
+DATA_DEPENDENT = {"cwd"}
+
+
+@pytest.mark.django_db(transaction=True)
+def test_every_body_field_refused_with_an_allowed_list_declares_its_enum(world):
+    """Each POST route's body, valid but for one free-text field set to an arbitrary word (as ops_admin):
+    a 400 listing what is ``allowed`` means the server enforces an enum the schema must declare."""
+    from tests.api.test_access_matrix import _example, _resolve
+
+    token, undeclared, probed = world["credentials"]["ops_admin_user"], [], 0
+    for path, operations in SCHEMA["paths"].items():
+        body_schema = (operations.get("post", {}).get("requestBody", {}).get("content", {})
+                       .get("application/json", {}).get("schema"))
+        if not body_schema:
+            continue
+        url = path.format(**world["ids"])
+        for name, sub in _resolve(body_schema).get("properties", {}).items():
+            options = [_resolve(s) for s in _resolve(sub).get("anyOf", [_resolve(sub)])]
+            strings = [o for o in options if o.get("type") == "string"]
+            if not strings or any({"enum", "format"} & set(o) for o in strings) or name in DATA_DEPENDENT:
+                continue
+            body = {**(_example(body_schema, "", world["ids"]) or {}), name: "no-such-value-zq"}
+            answer = Client().post(url, data=json.dumps(body), content_type="application/json",
+                                   HTTP_AUTHORIZATION=f"Bearer {token}", REMOTE_ADDR="10.66.0.1")
+            probed += 1
+            if answer.status_code == 400 and "allowed" in answer.json()["error"].get("detail", {}):
+                undeclared.append((path, name, answer.json()["error"]["detail"]["allowed"]))
+    assert probed >= 15
+    assert not undeclared, undeclared
