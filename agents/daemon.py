@@ -290,8 +290,10 @@ class Daemon:
             # The spool's health rides along: queued reports, parked refusals, the oldest's age.
             # The turns we run ride along too: a portal that settled them offline while we were frozen
             # (the socket stayed open, no new hello or snapshot follows) reopens them at once.
+            # And what each running agent's process tree does (stall evidence: waiting on a child or silent).
             await self._send({"type": p.HEARTBEAT, "spool": self.sender.health(),
-                              "running": [t["turn"] for t in self.running()]}, ws)
+                              "running": [t["turn"] for t in self.running()],
+                              "activity": await self.activity()}, ws)
 
     async def _send(self, message: dict, ws=None) -> bool:
         ws = ws or self.ws
@@ -449,6 +451,24 @@ class Daemon:
     def running(self) -> list[dict]:
         turns = (runner.running_turn() for runner in self.runners.values())
         return [t.as_dict() for t in turns if t is not None]
+
+    async def activity(self) -> list[dict]:
+        """Each running agent's process sample (TurnRunner.activity), taken in a worker thread."""
+        runners = list(self.runners.values())
+
+        def work():
+            samples = []
+            for runner in runners:
+                try:
+                    sample = runner.activity()
+                except Exception:  # noqa: BLE001 — evidence is best effort; the heartbeat must go out
+                    log.debug("activity sample of %s failed", runner.turn, exc_info=True)
+                    continue
+                if sample is not None:
+                    samples.append(sample)
+            return samples
+
+        return await asyncio.to_thread(work)
 
     def running_set_changed(self) -> None:
         """Send a snapshot soon (changes in one loop iteration are coalesced into one)."""

@@ -266,6 +266,51 @@ class TreeSampler:
             await asyncio.gather(self._task, return_exceptions=True)
 
 
+# ------------------------------------------------------------------------------------ activity (stall evidence)
+
+CPU_BUSY_FRACTION = 0.05         # a tree using less than 5 % of one CPU between samples is idle
+ACTIVITY_CHILDREN_MAX = 20
+
+
+def tree_cpu(tracker: TreeTracker) -> tuple[list[ProcRecord], float]:
+    """The tree's live processes and the CPU seconds they have used so far (blocking: psutil)."""
+    alive = tracker.alive()
+    total = 0.0
+    for record in alive:
+        try:
+            times = psutil.Process(record.pid).cpu_times()
+            total += times.user + times.system
+        except (psutil.Error, OSError):
+            continue
+    return alive, total
+
+
+class ActivitySampler:
+    """What a turn's process tree is doing while its agent prints nothing (issue 12): ``busy`` (the
+    tree uses CPU), ``waiting_on_child`` (idle, a child process alive: a tool that blocks) or
+    ``silent`` (idle, no child: the agent itself waits). Compares CPU time with the previous call."""
+
+    def __init__(self, tracker: TreeTracker):
+        self.tracker = tracker
+        self._previous: tuple[float, float] | None = None  # (monotonic, cpu seconds)
+
+    def sample(self) -> dict:
+        alive, cpu = tree_cpu(self.tracker)
+        now = time.monotonic()
+        fraction = None
+        if self._previous is not None and now > self._previous[0]:
+            fraction = max(0.0, cpu - self._previous[1]) / (now - self._previous[0])
+        self._previous = (now, cpu)
+        children = [r for r in alive if r.pid != self.tracker.root.pid]
+        if fraction is not None and fraction >= CPU_BUSY_FRACTION:
+            state = "busy"
+        else:
+            state = "waiting_on_child" if children else "silent"
+        return {"state": state, "cpu_percent": None if fraction is None else round(100 * fraction, 1),
+                "agent_alive": any(r.pid == self.tracker.root.pid for r in alive),
+                "children": [r.as_report() for r in children[:ACTIVITY_CHILDREN_MAX]]}
+
+
 # ------------------------------------------------------------------------------------ the verified stop
 
 async def tree_gone(tracker: TreeTracker, sampler: TreeSampler, leader_exited: Callable[[], bool]) -> bool:

@@ -15,8 +15,12 @@ WebSocket messages (JSON objects with a ``type``)
 -------------------------------------------------
 daemon → portal
   hello      {version, host, backends: [..], cwds: [..], max_concurrency, sigint_timeout_s, spool}
-  heartbeat  {spool, running: [turn id]}         running: the turns it runs (the portal reopens one
-                                                 it settled offline meanwhile)
+  heartbeat  {spool, running: [turn id], activity: [TurnActivity]}
+                                                 running: the turns it runs (the portal reopens one
+                                                 it settled offline meanwhile); activity: per running
+                                                 agent {turn, state: busy|waiting_on_child|silent,
+                                                 cpu_percent, silent_s, stdout_lines, agent_alive,
+                                                 children: [{pid, cmdline}]}, redacted (stall evidence)
   snapshot   {running: [RunningTurn], queued: [turn id], spool}
                                                  on connect and whenever the running set changes;
                                                  queued: starts taken but waiting for capacity here

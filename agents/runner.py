@@ -31,6 +31,7 @@ from typing import Any, Callable, Protocol
 from agents import protocol as p
 from agents.changes import collect_changes
 from agents.process import AgentProcess, SpawnError, StopResult, TreeSampler
+from agents.proctree import ActivitySampler
 from agents.redaction_rules import StreamRedactor, ingest
 
 log = logging.getLogger("chorus.daemon.turn")
@@ -179,6 +180,8 @@ class TurnRunner:
         self._tasks: list[asyncio.Task] = []
         self.started_at: float | None = None
         self.timeout_s: float | None = None
+        self.quiet_since: float | None = None   # monotonic: the agent's last stdout line (or its spawn)
+        self._activity: ActivitySampler | None = None
 
     # ------------------------------------------------------------------ state for the daemon
     def held(self) -> bool:
@@ -190,6 +193,21 @@ class TurnRunner:
             return None
         return p.RunningTurn(turn=self.turn, session=self.request.session, pid=self.agent.pid, pgid=self.agent.pgid,
                              started_at=self.agent.spawned_at, process_start_time=self.agent.record.start_time)
+
+    def activity(self) -> dict | None:
+        """The heartbeat's sample of this turn (stall evidence for the portal, issue 12): how long
+        the agent has printed nothing and what its process tree does meanwhile, redacted.
+        Blocking (psutil): call it in a worker thread.  None while no agent runs."""
+        agent = self.agent
+        if agent is None or agent.exited():
+            return None
+        if self._activity is None:
+            self._activity = ActivitySampler(agent.tracker)
+        sample = self._activity.sample()
+        quiet_since = self.quiet_since if self.quiet_since is not None else time.monotonic()
+        sample.update(turn=self.turn, silent_s=round(max(0.0, time.monotonic() - quiet_since), 1),
+                      stdout_lines=self.stdout_lines)
+        return ingest(sample)
 
     # ------------------------------------------------------------------ reporting
     def _advance(self, status: str | None, **fields) -> None:
@@ -282,6 +300,7 @@ class TurnRunner:
                        details=f"command: {' '.join(spec.argv)[:2000]}\ncwd: {spec.cwd or cwd}")
             return
         self.started_at = time.time()
+        self.quiet_since = time.monotonic()
         if self.registry is not None:
             agent = self.agent
             self.registry.add({"turn": self.turn, "session": request.session, "pid": agent.pid, "pgid": agent.pgid,
@@ -321,6 +340,7 @@ class TurnRunner:
     async def _read_stdout(self) -> None:
         async for line in self.agent.lines():
             self.stdout_lines += 1
+            self.quiet_since = time.monotonic()
             try:
                 events = self.backend.parse_line(line)
             except Exception:  # noqa: BLE001 — parse_line promises not to raise; be safe anyway

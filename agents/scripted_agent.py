@@ -45,7 +45,7 @@ import uuid
 DIRECTIVES = (
     "reply", "sleep", "write", "stderr", "exit", "signal", "ignore-stop", "grandchild", "escape",
     "background", "fail-start", "require-approval", "await-tool", "outcome", "member", "comment",
-    "artifact", "usage", "cat", "stderr-file",
+    "artifact", "usage", "cat", "stderr-file", "silent", "wait-child",
 )
 FILE_REF = re.compile(r"\{(file|env):([^{}]+)\}")
 OUTCOME_INTENTS = ("succeeded", "failed", "blocked", "waiting")
@@ -275,6 +275,18 @@ class Turn:
                 progress("working", elapsed_s=tick)
                 tick += 1
             time.sleep(max(0.0, min(0.05, end - now, start + tick - now)))
+
+    def do_silent(self, arg: str) -> None:
+        """Print nothing for that long (a stalled agent, issue 12): no progress lines, no child."""
+        end = time.monotonic() + number(arg, "silent")
+        while (left := end - time.monotonic()) > 0:
+            time.sleep(min(0.05, left))
+
+    def do_wait_child(self, arg: str) -> None:
+        """Start a child that sleeps that long and wait for it silently (a tool call that blocks)."""
+        seconds, _, extra = arg.partition(" ")  # words after the seconds: more arguments of its command line
+        child = spawn(sleeper(number(seconds, "wait-child")) + extra.split())
+        child.wait()
 
     def do_write(self, arg: str) -> None:
         path, _, text = arg.partition(" ")

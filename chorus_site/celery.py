@@ -8,3 +8,8 @@ os.environ.setdefault("DJANGO_SETTINGS_MODULE", "chorus_site.settings")
 app = Celery("chorus_site", task_cls="chorus_site.periodic:PeriodicOnceTask")
 app.config_from_object("django.conf:settings", namespace="CELERY")
 app.autodiscover_tasks()
+
+# Task latency and run time for /metrics (chorus_site/metrics.py), in publishers and workers alike.
+from chorus_site.metrics import celery_signals_connect  # noqa: E402 — after the app exists
+
+celery_signals_connect()

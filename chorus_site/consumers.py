@@ -27,6 +27,7 @@ from .errors import ApplicationError
 from .events import DASHBOARD_GROUP, OUTPUT_KINDS, parse_cursor, stream_group
 from .layer_health import LAYER_LOST_CLOSE, LayerAwareConsumer
 from .live import FOLLOWER_QUEUE_MAX, StreamPosition, accept_live, catch_up, local_fanout, position_at
+from .metrics import LIVE_CLIENTS
 from .permissions import has_ops_role
 
 _STREAM = re.compile(r"^(session|run|connection|issue):[0-9a-f-]{36}$")
@@ -67,6 +68,8 @@ class LiveConsumer(LayerAwareConsumer, AsyncJsonWebsocketConsumer):
         session = self.scope.get("session")
         self.grant = Grant(user_id=user.pk, session_key=getattr(session, "session_key", None))
         await self.accept()
+        LIVE_CLIENTS.labels("ws").inc()  # /metrics; taken back in disconnect
+        self.counted = True
         self.access_watch = asyncio.ensure_future(self._watch_access())
 
     async def _watch_access(self):
@@ -85,6 +88,9 @@ class LiveConsumer(LayerAwareConsumer, AsyncJsonWebsocketConsumer):
                     await self._error("not_found", "no such stream", stream)
 
     async def disconnect(self, code):
+        if getattr(self, "counted", False):
+            self.counted = False
+            LIVE_CLIENTS.labels("ws").dec()
         watch = getattr(self, "access_watch", None)
         if watch is not None and watch is not asyncio.current_task():
             watch.cancel()

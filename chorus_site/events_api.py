@@ -16,6 +16,7 @@ from .api import ErrorBody, require_ops
 from .errors import ApplicationError
 from .events import events_after, parse_cursor
 from .live import follow
+from .metrics import LIVE_CLIENTS
 from .permissions import has_ops_role
 from .throttling import client_ident, credential_failed, credential_gate
 from .tokens import token_authenticate
@@ -162,9 +163,13 @@ async def _sse(request, kind: str, object_id: UUID, after: str | None):
         return _error(exc)
 
     async def body():
-        yield ": connected\n\n"
-        async for message in _while_allowed(follower, grant):
-            yield ": heartbeat\n\n" if message is None else sse_frame(message)
+        LIVE_CLIENTS.labels("sse").inc()  # /metrics: open SSE streams
+        try:
+            yield ": connected\n\n"
+            async for message in _while_allowed(follower, grant):
+                yield ": heartbeat\n\n" if message is None else sse_frame(message)
+        finally:
+            LIVE_CLIENTS.labels("sse").dec()
 
     response = StreamingHttpResponse(body(), content_type="text/event-stream")
     response["Cache-Control"] = "no-cache"

@@ -9,6 +9,7 @@ in-memory channel layer and Celery tasks run in-process.  Production mode: set b
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import re
 import secrets
@@ -409,6 +410,10 @@ CELERY_BEAT_SCHEDULE = {
                                 "options": {"expires": CHORUS_SWEEP_EXPIRES_S}},
     "tick-waiting-runs": {"task": "executions.tasks.runs_tick_waiting", "schedule": 5.0,
                           "options": {"expires": CHORUS_SWEEP_EXPIRES_S}},
+    # Stall detection (sessions_app/stalls.py): a stalled turn is flagged within its threshold + this.
+    "sweep-stalled-turns": {"task": "sessions_app.tasks.turns_stall_sweep",
+                            "schedule": float(env_int("CHORUS_STALL_SWEEP_S", 5, minimum=1)),
+                            "options": {"expires": CHORUS_SWEEP_EXPIRES_S}},
 }
 
 # ---------------------------------------------------------------- chorus
@@ -421,6 +426,18 @@ CHORUS_ACCESS_RECHECK_S = env_int("CHORUS_ACCESS_RECHECK_S", 5, minimum=1)
 # evidence for mark-interrupted) and the sweep takes it offline and settles its turns.
 CHORUS_HEARTBEAT_TIMEOUT_S = env_int("CHORUS_HEARTBEAT_TIMEOUT_S", _protocol.HEARTBEAT_TIMEOUT_S, minimum=10)
 CHORUS_IDEMPOTENCY_TTL_HOURS = 24
+# /metrics (chorus_site/metrics.py, docs/alerts.md): a scraper shows this bearer token or comes from
+# an allowed address or network; with neither set, /metrics answers 404.
+CHORUS_METRICS_TOKEN = env_str("CHORUS_METRICS_TOKEN", "") or ""
+CHORUS_METRICS_ALLOWLIST = env_list("CHORUS_METRICS_ALLOWLIST", [])
+for _entry in CHORUS_METRICS_ALLOWLIST:
+    try:
+        ipaddress.ip_network(_entry, strict=False)
+    except ValueError:
+        raise ImproperlyConfigured(f"CHORUS_METRICS_ALLOWLIST: {_entry!r} is not an address or network") from None
+# A running turn silent this long is flagged stalled, unless its connection or its backend
+# (sessions_app.BackendSetting, in the admin) says otherwise (docs/alerts.md).
+CHORUS_STALL_THRESHOLD_S = env_int("CHORUS_STALL_THRESHOLD_S", 600, minimum=1)
 # The largest prompt (or resume/hand-off context) accepted, in bytes of UTF-8: it travels to the
 # daemon in one WebSocket frame, and a command larger than agents.protocol.COMMAND_MAX_BYTES is
 # never sent (its turn settles with a wake error).  Larger requests answer 413.

@@ -4,6 +4,7 @@ from django.views.generic import RedirectView
 
 from . import dashboard
 from .api import api
+from .metrics_view import metrics_view
 
 admin.site.site_header = "Chorus Ops"
 admin.site.site_title = "Chorus Ops"
@@ -17,4 +18,6 @@ urlpatterns = [
          name="chorus_dashboard_summary"),
     path("admin/", admin.site.urls),
     path("api/v1/", api.urls),
+    # Prometheus: a bearer token or an allowed address (chorus_site/metrics.py, docs/alerts.md).
+    path("metrics", metrics_view, name="chorus_metrics"),
 ]

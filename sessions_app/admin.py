@@ -10,8 +10,25 @@ from chorus_site.permissions import can_view_diagnostics
 
 from . import actions, admin_views, selectors
 from .attention import TurnAttentionFilter
-from .models import Connection, ControlCommand, Session, TranscriptMessage, Turn
-from .services import connection_register
+from .models import BackendSetting, Connection, ControlCommand, Session, TranscriptMessage, Turn
+from .services import connection_register, connection_set_stall_threshold
+
+
+class StalledFilter(admin.SimpleListFilter):
+    """Running turns flagged stalled (sessions_app/stalls.py), the same rows as TurnFilter's ``stalled``."""
+
+    title = "stalled"
+    parameter_name = "stalled"
+
+    def lookups(self, request, model_admin):
+        return [("yes", "stalled"), ("no", "not stalled")]
+
+    def queryset(self, request, queryset):
+        if self.value() == "yes":
+            return queryset.filter(pk__in=selectors.turns_stalled().values("pk"))
+        if self.value() == "no":
+            return queryset.exclude(pk__in=selectors.turns_stalled().values("pk"))
+        return queryset
 
 
 @admin.register(Connection)
@@ -22,7 +39,8 @@ class ConnectionAdmin(OpsAdmin):
     search_fields = ["name", "host"]
     live_streams = ("dashboard",)
     change_form_template = "admin/sessions_app/connection/change_form.html"
-    fields_on_add = ["name", "host", "backend", "cwds", "max_concurrency", "sigint_timeout_s", "auto_resume_crashed"]
+    fields_on_add = ["name", "host", "backend", "cwds", "max_concurrency", "sigint_timeout_s", "auto_resume_crashed",
+                     "stall_threshold_s"]
 
     @admin.display(description="status", ordering="status")
     def status_badge(self, obj):
@@ -39,14 +57,20 @@ class ConnectionAdmin(OpsAdmin):
         return self.fields_on_add if obj is None else super().get_fields(request, obj)
 
     def get_readonly_fields(self, request, obj=None):
-        return [] if obj is None else super().get_readonly_fields(request, obj)
+        if obj is None:
+            return []
+        readonly = super().get_readonly_fields(request, obj)
+        if self.has_change_permission(request, obj):
+            readonly = [f for f in readonly if f != "stall_threshold_s"]
+        return readonly
 
-    def save_model(self, request, obj, form, change):
+    def _register(self, request, obj, form):
         data = form.cleaned_data
         connection, key = connection_register(
             name=data["name"], host=data.get("host", ""), backend=data["backend"], cwds=data["cwds"],
             max_concurrency=data["max_concurrency"], sigint_timeout_s=data["sigint_timeout_s"], actor=request.user,
             auto_resume_crashed=data.get("auto_resume_crashed", False),
+            stall_threshold_s=data.get("stall_threshold_s"),
         )
         obj.pk = connection.pk
         audit_record(actor=request.user, action="connection.register", target=f"connection:{connection.pk}",
@@ -55,8 +79,21 @@ class ConnectionAdmin(OpsAdmin):
             "Connection key (shown once, store it now): <code>{}</code> — start the daemon with "
             "<code>python manage.py chorus_daemon --portal URL --key KEY</code>", key))
 
+    # ops_admin (change_connection) may set the stall threshold; everything else stays read-only.
+    def has_change_permission(self, request, obj=None):
+        return request.user.has_perm("sessions_app.change_connection")
+
+    def save_model(self, request, obj, form, change):
+        if not change:
+            return self._register(request, obj, form)
+        connection_set_stall_threshold(connection_id=obj.pk, stall_threshold_s=form.cleaned_data["stall_threshold_s"],
+                                       actor=request.user, client="admin")
+
     def log_addition(self, request, obj, message):
         return None  # the audit entry above records it
+
+    def log_change(self, request, obj, message):
+        return None  # connection_set_stall_threshold records the audit entry
 
     def get_urls(self):
         view = self.admin_site.admin_view
@@ -112,9 +149,9 @@ class SessionAdmin(OpsAdmin):
 
 @admin.register(Turn)
 class TurnAdmin(OpsAdmin):
-    list_display = ["turn_link", "session", "status_badge", "trigger", "interrupted_reason", "stop_state_badge",
-                    "started_at", "ended_at"]
-    list_filter = ["status", "interrupted_reason", "trigger", "stop_state"]
+    list_display = ["turn_link", "session", "status_badge", "stalled_badge", "trigger", "interrupted_reason",
+                    "stop_state_badge", "started_at", "ended_at"]
+    list_filter = ["status", StalledFilter, "interrupted_reason", "trigger", "stop_state"]
     uuid_search_fields = ("pk", "session_id", "attempt_id")
     search_fields = ["prompt"]  # only used when the term is not an id
     list_select_related = ["session"]
@@ -170,8 +207,12 @@ class TurnAdmin(OpsAdmin):
     def stop_state_badge(self, obj):
         return live_badge(obj, "stop_state")
 
-    # Shown live in the State panel instead; a static copy would go stale on the page.
-    live_fields = {"wake_error", "status", "interrupted_reason", "stop_state"}
+    @admin.display(description="stalled", ordering="stalled_at")
+    def stalled_badge(self, obj):
+        return live_badge(obj, "stalled")
+
+    # Shown live in the State and Stalled panels instead; a static copy would go stale on the page.
+    live_fields = {"wake_error", "status", "interrupted_reason", "stop_state", "stalled_at", "stall_evidence"}
 
     def get_readonly_fields(self, request, obj=None):
         return [f for f in super().get_readonly_fields(request, obj) if f not in self.live_fields]
@@ -199,6 +240,19 @@ class TurnAdmin(OpsAdmin):
             "status_badge": live_badge(obj, label=obj.status_label),
             "stop_badge": live_badge(obj, "stop_state"),
             "retrying_badge": retrying_badge(obj),
+            **self._stall_context(request, obj),
+        }
+
+    def _stall_context(self, request, obj):
+        """The Stalled panel: the evidence and the operator's options (interrupt, a message, wait)."""
+        stalled = obj.stalled == "stalled"
+        session = obj.session
+        return {
+            "stalled": stalled, "stall_evidence": obj.stall_evidence,
+            "stall_badge": live_badge(obj, "stalled"),
+            "can_message_session": stalled and session.status == "active"
+            and request.user.has_perm("sessions_app.message_session"),
+            "session_message_url": reverse("admin:sessions_app_session_message", args=[session.pk]),
         }
 
 
@@ -241,3 +295,21 @@ class ControlCommandAdmin(OpsAdmin):
 
     def timeline_filter(self, obj):
         return {"data__id": str(obj.pk)}
+
+
+@admin.register(BackendSetting)
+class BackendSettingAdmin(admin.ModelAdmin):
+    """Per-backend defaults (stall threshold), edited by ops_admin; a connection's own value wins."""
+
+    list_display = ["backend", "stall_threshold_s"]
+
+    def save_model(self, request, obj, form, change):
+        super().save_model(request, obj, form, change)
+        audit_record(actor=request.user, action="backend_setting.change" if change else "backend_setting.add",
+                     target=f"backend:{obj.backend}", outcome=f"stall_threshold_s={obj.stall_threshold_s}",
+                     client="admin")
+
+    def delete_model(self, request, obj):
+        audit_record(actor=request.user, action="backend_setting.delete", target=f"backend:{obj.backend}",
+                     outcome="deleted", client="admin")
+        super().delete_model(request, obj)

@@ -53,10 +53,10 @@ def session_detail(request, session_id: UUID):
 
 @router.get("/sessions/{session_id}/turns", response={200: TurnPage, **ERRORS}, summary="Turns of a session")
 def session_turns(request, session_id: UUID, status: str = None, interrupted_reason: str = None, trigger: str = None,
-                  limit: int = 50, cursor: str = None):
+                  stalled: bool = None, limit: int = 50, cursor: str = None):
     require_ops(request)
     session = sel.get_or_404(sel.sessions_qs(), session_id)
-    qs = filter_or_400(TurnFilter, query_params(request, "status", "interrupted_reason", "trigger"),
+    qs = filter_or_400(TurnFilter, query_params(request, "status", "interrupted_reason", "trigger", "stalled"),
                        sel.turns_qs().filter(session=session))
     return paginate(qs, limit=limit, cursor=cursor, serialize=sel.turn_out)
 

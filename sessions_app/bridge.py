@@ -25,7 +25,7 @@ from chorus_site.events import event_append, events_append_many
 from chorus_site.idempotency import idempotent_call
 from chorus_site.redaction import StreamRedactor, ingest
 
-from . import daemon_schemas, selectors, services, states
+from . import daemon_schemas, metrics, selectors, services, stalls, states
 from .listeners import turn_env
 from .models import Connection, ControlCommand, Session, Turn
 
@@ -627,6 +627,8 @@ def _apply_events(connection: Connection, turn_id, events: list) -> dict:
     # stays masked across the events of the report (the daemon does the same across reports).
     events = StreamRedactor().events(events)
     turn = _owned_turn(connection, turn_id)
+    # Output from a stalled turn clears the flag; first, so the locks go session → turn → stream.
+    stalls.turn_output_resumed(turn)
     items = []
     for raw in events:
         if not isinstance(raw, dict) or raw.get("kind") not in protocol.EVENT_KINDS:
@@ -642,4 +644,5 @@ def _apply_events(connection: Connection, turn_id, events: list) -> dict:
     _retrying_follow(turn, items)
     # Redacted above, once for the whole report: one INSERT, one broadcast after commit (issue 9).
     events_append_many(stream=turn.stream, items=items, redacted=True)
+    metrics.events_ingested(len(items))
     return {"accepted": len(items), "skipped": len(events) - len(items)}

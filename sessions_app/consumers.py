@@ -18,10 +18,11 @@ from django.conf import settings
 from agents import protocol
 
 from chorus_site.errors import ApplicationError
+from chorus_site.metrics import LIVE_CLIENTS
 from chorus_site.layer_health import LayerAwareConsumer, health
 from chorus_site.throttling import credential_failed, credential_gate
 
-from . import bridge, daemon_schemas
+from . import bridge, daemon_schemas, stalls
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +88,8 @@ class DaemonConsumer(LayerAwareConsumer, AsyncWebsocketConsumer):
         self.group = bridge.daemon_group(connection.pk)
         await self.layer_join(self.group)  # a broken layer is re-joined later (layer_recover)
         await self.accept()
+        LIVE_CLIENTS.labels("daemon").inc()  # /metrics; taken back in disconnect
+        self.counted = True
         replaced = await on_control_threads(bridge.connection_socket_claim)(
             connection_id=connection.pk, socket=self.channel_name, client=ident)
         if replaced:
@@ -139,6 +142,9 @@ class DaemonConsumer(LayerAwareConsumer, AsyncWebsocketConsumer):
         await self.close(code=protocol.SOCKET_REPLACED_CLOSE)
 
     async def disconnect(self, code):
+        if getattr(self, "counted", False):
+            self.counted = False
+            LIVE_CLIENTS.labels("daemon").dec()
         if self.poller is not None:
             self.poller.cancel()
         if self.connection_id is None:
@@ -215,6 +221,9 @@ class DaemonConsumer(LayerAwareConsumer, AsyncWebsocketConsumer):
         if kind == protocol.HEARTBEAT:
             running = None if frame.running is None else [str(turn) for turn in frame.running]
             await on_control_threads(bridge.connection_heartbeat)(connection_id=cid, spool=spool, running=running)
+            if frame.activity is not None:
+                await on_control_threads(stalls.connection_store_activity)(
+                    connection_id=cid, activity=[item.model_dump(mode="json") for item in frame.activity])
         elif kind == protocol.HELLO:
             hello = frame.model_dump(mode="json", exclude_none=True)
             await on_control_threads(bridge.connection_daemon_connected)(connection_id=cid, hello=hello)

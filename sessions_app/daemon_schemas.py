@@ -150,10 +150,23 @@ class HelloFrame(_Lenient):
     spool: SpoolHealthIn | None = None
 
 
+class TurnActivityIn(_Lenient):
+    """The daemon's process sample of one running turn (agents/proctree.py ActivitySampler)."""
+
+    turn: UUID
+    state: Literal["busy", "waiting_on_child", "silent"]
+    cpu_percent: Annotated[float, Field(ge=0, le=10**6)] | None = None
+    silent_s: Seconds | None = None
+    stdout_lines: Count | None = None
+    agent_alive: bool | None = None
+    children: Annotated[list[BackgroundProcessIn], Field(max_length=100)] = []
+
+
 class HeartbeatFrame(_Lenient):
     type: Literal[wire.HEARTBEAT]
     spool: SpoolHealthIn | None = None
     running: Annotated[list[UUID], Field(max_length=10000)] | None = None   # the turns it runs (reconcile)
+    activity: Annotated[list[TurnActivityIn], Field(max_length=10000)] | None = None  # stall evidence
 
 
 class SnapshotFrame(_Lenient):

@@ -44,7 +44,13 @@ class TurnFilter(django_filters.FilterSet):
     status = django_filters.ChoiceFilter(choices=states.choices(states.TURN_STATUSES))
     interrupted_reason = django_filters.ChoiceFilter(choices=states.choices(states.INTERRUPTED_REASONS))
     trigger = django_filters.ChoiceFilter(choices=states.choices(states.TRIGGERS))
+    stalled = django_filters.BooleanFilter(method="filter_stalled")
 
     class Meta:
         model = Turn
-        fields = ["status", "interrupted_reason", "trigger"]
+        fields = ["status", "interrupted_reason", "trigger", "stalled"]
+
+    def filter_stalled(self, queryset, name, value):
+        # Stalled is a flag of running turns (sessions_app/stalls.py); a cleared flag is not stalled.
+        stalled = Q(status=states.RUNNING, stalled_at__isnull=False)
+        return queryset.filter(stalled) if value else queryset.exclude(stalled)

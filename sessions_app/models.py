@@ -4,6 +4,7 @@ Status fields are written only by the services in ``services.py``.
 """
 
 from django.conf import settings
+from django.core.validators import MinValueValidator
 from django.db import models
 from django.db.models import Q
 
@@ -28,6 +29,11 @@ class Connection(models.Model):
     max_concurrency = models.PositiveIntegerField(default=4)
     sigint_timeout_s = models.PositiveIntegerField(default=10)
     auto_resume_crashed = models.BooleanField(default=False)
+    # A running turn silent this long is flagged stalled (sessions_app/stalls.py); blank: the
+    # backend's threshold (BackendSetting), else settings.CHORUS_STALL_THRESHOLD_S.
+    stall_threshold_s = models.PositiveIntegerField(
+        null=True, blank=True, validators=[MinValueValidator(1)], help_text="Seconds without output before a running turn is flagged stalled; "
+                                         "blank: the backend's setting, else the site default")
     status = models.CharField(
         max_length=16, choices=states.choices([states.CONN_ONLINE, states.CONN_OFFLINE, states.CONN_DRAINING]),
         default=states.CONN_OFFLINE, db_index=True,
@@ -39,6 +45,9 @@ class Connection(models.Model):
     # The daemon socket that currently speaks for this connection (its channel name): a second
     # socket with the same key replaces it, and only the current one's close takes presence down.
     daemon_socket = models.CharField(max_length=255, blank=True, default="", editable=False)
+    # The daemon's latest process sample of each running turn (its heartbeat: waiting on a child or
+    # silent, CPU, the children's command lines, redacted), kept as evidence for stall detection.
+    turn_activity = models.JSONField(default=dict, blank=True, editable=False)
     created_at = models.DateTimeField(auto_now_add=True)
 
     class Meta:
@@ -134,10 +143,15 @@ class Turn(models.Model):
     background_processes = models.JSONField(default=list, blank=True)
     requires_action = models.JSONField(null=True, blank=True)
     pid = models.IntegerField(null=True, blank=True)
+    # A flag on a running turn, not a status (sessions_app/stalls.py): set when nothing came from it
+    # for its connection's threshold, with the evidence; cleared when output resumes or it leaves running.
+    stalled_at = models.DateTimeField(null=True, blank=True)
+    stall_evidence = models.JSONField(null=True, blank=True)
 
     class Meta:
         constraints = [models.UniqueConstraint(fields=["session", "seq"], name="turn_session_seq_unique")]
         indexes = [
+            models.Index(fields=["stalled_at"], name="turn_stalled_idx", condition=Q(stalled_at__isnull=False)),
             models.Index(fields=["status", "id"], name="turn_status_id_idx"),
             models.Index(fields=["interrupted_reason", "id"], name="turn_reason_id_idx"),
             models.Index(fields=["trigger", "id"], name="turn_trigger_id_idx"),
@@ -153,10 +167,30 @@ class Turn(models.Model):
         return f"session:{self.session_id}"
 
     @property
+    def stalled(self) -> str:
+        """``stalled`` or ``not_stalled``, as the turn.stalled / turn.unstalled events say (live badges)."""
+        return "stalled" if self.status == states.RUNNING and self.stalled_at is not None else "not_stalled"
+
+    @property
     def status_label(self) -> str:
         if self.status == states.INTERRUPTED and self.interrupted_reason:
             return f"interrupted ({self.interrupted_reason})"
         return self.status.replace("_", " ")
+
+
+class BackendSetting(models.Model):
+    """Per-backend defaults an ops_admin edits in the admin (a connection's own value wins)."""
+
+    backend = models.CharField(max_length=16, choices=states.choices(states.BACKENDS), unique=True)
+    stall_threshold_s = models.PositiveIntegerField(
+        validators=[MinValueValidator(1)],
+        help_text="Seconds without output before a running turn of this backend is flagged stalled")
+
+    class Meta:
+        ordering = ["backend"]
+
+    def __str__(self):
+        return f"{self.backend}: stalled after {self.stall_threshold_s} s"
 
 
 class TranscriptMessage(models.Model):

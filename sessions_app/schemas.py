@@ -94,6 +94,9 @@ class TurnOut(Schema):
     background_processes: list
     requires_action: dict | None
     retrying: RetryingOut | None = None   # only while running
+    stalled: bool = False              # running and silent past its threshold (docs/alerts.md)
+    stalled_at: datetime | None = None
+    stall_evidence: dict | None = None
 
 
 class DiagnosticsOut(Schema):

@@ -48,6 +48,14 @@ def turns_qs() -> QuerySet:
     return Turn.objects.select_related("session")
 
 
+def turns_stalled() -> QuerySet:
+    """Running turns flagged stalled (sessions_app/stalls.py), longest stalled first, with their
+    evidence in ``stall_evidence`` (redacted): for the dashboard's needs-attention list, the
+    changelist filter and the API."""
+    return (Turn.objects.filter(status=states.RUNNING, stalled_at__isnull=False)
+            .select_related("session", "connection").order_by("stalled_at"))
+
+
 def get_or_404(qs: QuerySet, pk):
     try:
         obj = qs.filter(pk=pk).first()
@@ -174,6 +182,7 @@ def turn_out(t: Turn, *, with_details: bool = False) -> dict:
         "created_at": t.created_at, "started_at": t.started_at, "ended_at": t.ended_at,
         "final_reply": t.final_reply, "changes": t.changes, "background_processes": t.background_processes,
         "requires_action": t.requires_action, "retrying": turn_retrying(t),
+        "stalled": t.stalled_at is not None, "stalled_at": t.stalled_at, "stall_evidence": t.stall_evidence,
     }
 
 

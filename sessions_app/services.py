@@ -12,13 +12,13 @@ from django.db.models import F, Max, Value
 from django.db.models.functions import Coalesce
 from django.utils import timezone
 
-from chorus_site.audit import actor_name
+from chorus_site.audit import actor_name, audit_record
 from chorus_site.errors import ApplicationError
 from chorus_site.events import event_append
 from chorus_site.redaction import redact
 from chorus_site.transitions import transition
 
-from . import states
+from . import metrics, states
 from .listeners import turn_reopen_refusal, turn_status_changed
 from .models import Connection, ControlCommand, Session, TranscriptMessage, Turn
 
@@ -38,7 +38,7 @@ def connection_key_hash(key: str) -> str:
 
 def connection_register(
     *, name: str, backend: str, cwds: list[str], host: str = "", max_concurrency: int = 4,
-    sigint_timeout_s: int = 10, auto_resume_crashed: bool = False, actor=None,
+    sigint_timeout_s: int = 10, auto_resume_crashed: bool = False, actor=None, stall_threshold_s: int | None = None,
 ) -> tuple[Connection, str]:
     """Register a daemon's connection; the key is returned once and stored hashed."""
     if backend not in states.BACKENDS:
@@ -51,11 +51,26 @@ def connection_register(
         connection = Connection.objects.create(
             name=name, backend=backend, cwds=cwds, host=host, max_concurrency=max_concurrency,
             sigint_timeout_s=sigint_timeout_s, key_prefix=prefix, key_hash=connection_key_hash(key),
-            auto_resume_crashed=auto_resume_crashed,
+            auto_resume_crashed=auto_resume_crashed, stall_threshold_s=stall_threshold_s or None,
         )
         event_append(stream=f"connection:{connection.id}", kind="connection.registered",
                      data={"id": str(connection.id), "name": name, "backend": backend}, actor=actor_name(actor))
     return connection, key
+
+
+def connection_set_stall_threshold(*, connection_id, stall_threshold_s: int | None, actor=None,
+                                   client: str = "system") -> Connection:
+    """Set (or clear: None) the connection's stall threshold in seconds (sessions_app/stalls.py); audited."""
+    if stall_threshold_s is not None and stall_threshold_s < 1:
+        raise ApplicationError("bad_request", "a stall threshold is at least 1 second")
+    with transaction.atomic():
+        if Connection.objects.filter(pk=connection_id).update(stall_threshold_s=stall_threshold_s) != 1:
+            raise ApplicationError("not_found", f"connection {connection_id} does not exist")
+        event_append(stream=f"connection:{connection_id}", kind="connection.stall_threshold",
+                     data={"id": str(connection_id), "stall_threshold_s": stall_threshold_s}, actor=actor_name(actor))
+        audit_record(actor=actor or "system", action="connection.stall_threshold", target=f"connection:{connection_id}",
+                     outcome=f"stall_threshold_s={stall_threshold_s}", client=client)
+    return Connection.objects.get(pk=connection_id)
 
 
 def connection_rotate_key(*, connection_id, cwds: list[str] | None = None, actor=None) -> str:
@@ -242,6 +257,8 @@ def turn_set_status(
         )
         Session.objects.filter(pk=session_id).update(last_turn_at=now)
         turn_status_changed(turn_id=turn.pk, attempt_id=turn.attempt_id, status=status)
+        metrics.turn_status_observed(turn.pk, status)
+        metrics.stop_state_observed(turn.pk, stop_state)
     return turn
 
 
@@ -308,11 +325,13 @@ def turn_set_stop_state(*, turn_id, stop_state: str, actor=None, **updates) -> T
     with transaction.atomic():
         # Session → turn, as every change of a turn (lock order: chorus_site/transitions.py).
         Session.objects.select_for_update(no_key=True).filter(pk=session_id).values("pk").first()
-        return transition(
+        turn = transition(
             model=Turn, pk=turn_id, field="stop_state", table=states.STOP_TRANSITIONS, to=stop_state,
             stream=f"session:{session_id}", kind="turn.stop_state", actor=actor_name(actor), updates=updates,
             data={"session": str(session_id)},
         )
+        metrics.stop_state_observed(turn.pk, stop_state)
+        return turn
 
 
 def turn_lock(turn_id, *, related: tuple = ()) -> Turn | None:
@@ -342,7 +361,9 @@ def command_create(*, connection_id, action: str, turn_id=None, payload: dict | 
 
 def command_set_state(*, command_id, state: str, **updates) -> ControlCommand:
     connection_id = ControlCommand.objects.filter(pk=command_id).values_list("connection_id", flat=True).first()
-    return transition(
+    command = transition(
         model=ControlCommand, pk=command_id, field="state", table=states.COMMAND_TRANSITIONS, to=state,
         stream=f"connection:{connection_id}", kind="command.state", updates=updates,
     )
+    metrics.command_state_observed(command.pk, state)
+    return command

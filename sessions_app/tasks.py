@@ -33,3 +33,11 @@ def connections_sweep() -> dict:
     except Exception:
         log.exception("overdue-stop sweep failed; the next beat retries")
     return result
+
+
+@shared_task(acks_late=True, reject_on_worker_lost=True)
+def turns_stall_sweep() -> dict:
+    """Flag running turns silent past their threshold stalled, and clear flags that no longer hold."""
+    from .stalls import turns_sweep_stalled
+
+    return turns_sweep_stalled()

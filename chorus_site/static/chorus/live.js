@@ -33,7 +33,7 @@
     var data = event.data || {};
     if (!data.id) return;
     updateRetrying(event, data);
-    ["status", "state", "stop_state"].forEach(function (field) {
+    ["status", "state", "stop_state", "stalled"].forEach(function (field) {
       if (data[field] === undefined) return;
       var nodes = document.querySelectorAll('[data-live-id="' + data.id + '"][data-live-field="' + field + '"]');
       nodes.forEach(function (node) {
@@ -113,14 +113,19 @@
   // The run page's task map and evidence grow (new tasks, attempts, member nodes): re-read them.
   var refreshTimer = null;
   var GROWING = ["task.created", "attempt.created", "node.added", "attempt.outcome", "turn.output"];
+  // A turn flagged or cleared stalled: the turn page's stall panel and a changelist filtered on
+  // "stalled" are re-read too (docs/alerts.md).
+  var STALL = ["turn.stalled", "turn.unstalled"];
   function refreshSections(event) {
-    if (GROWING.indexOf(event.kind) < 0 || !document.getElementById("chorus-task-map")) return;
+    var stall = STALL.indexOf(event.kind) >= 0 && (document.getElementById("chorus-stall") ||
+      (document.getElementById("changelist-form") && /[?&]stalled=/.test(location.search)));
+    if (!stall && (GROWING.indexOf(event.kind) < 0 || !document.getElementById("chorus-task-map"))) return;
     if (event.kind === "turn.output" && event.data.type !== "tool") return;
     clearTimeout(refreshTimer);
     refreshTimer = setTimeout(function () {
       fetch(location.href, {credentials: "same-origin"}).then(function (r) { return r.text(); }).then(function (html) {
         var fresh = new DOMParser().parseFromString(html, "text/html");
-        ["chorus-task-map", "chorus-evidence"].forEach(function (id) {
+        ["chorus-task-map", "chorus-evidence", "chorus-stall", "changelist-form"].forEach(function (id) {
           var now = document.getElementById(id), next = fresh.getElementById(id);
           if (now && next) now.innerHTML = next.innerHTML;
         });

@@ -21,7 +21,7 @@ from executions import services as ex
 from executions.workflows import workflow_create
 from executions.models import AgentTask, Approval, Attempt, Run, RunNode, WorkflowDefinition, WorkflowRevision
 from sessions_app import services as ss
-from sessions_app.models import Connection
+from sessions_app.models import BackendSetting, Connection
 
 DEMO_USERS = [("viewer", VIEWER), ("operator", OPERATOR), ("diagnostics", DIAGNOSTICS), ("admin", ADMIN)]
 CANARY = "sk-ant-demo0000SECRET0000canary0000key"  # shows redaction at work; not a real key
@@ -81,6 +81,9 @@ class Command(BaseCommand):
         ss.connection_set_status(connection_id=ci.pk, status="online", last_heartbeat_at=now, daemon_version="0.1.0")
         kiro, _ = ss.connection_register(name="kiro-host", host="kiro.internal", backend="kiro", cwds=["/home/kiro"])
         ss.connection_set_status(connection_id=kiro.pk, status="draining", last_heartbeat_at=now)
+        # An example stall threshold per backend (sessions_app/stalls.py): Claude Code's long tool calls
+        # get 20 minutes instead of the site's 10.
+        BackendSetting.objects.get_or_create(backend="claude_code", defaults={"stall_threshold_s": 1200})
 
         def session(conn, cwd, key, title, backend_id=None):
             s = ss.session_create(connection=conn, cwd=cwd, idea_key=key, title=title, backend_session_id=backend_id,
