@@ -23,13 +23,15 @@ RECENT = timedelta(hours=24)
 
 
 def turns_stuck_or_stalled(now: datetime | None = None) -> QuerySet:
-    """Active turns whose connection is not live (offline, or its heartbeat is stale): the §4.2 case
-    an operator clears.  Turns flagged stalled (issue 12) join this count once that flag exists."""
+    """Running turns flagged stalled (nothing came from the agent for its threshold: stalls.py), and
+    active turns whose connection is not live (offline, or its heartbeat is stale): the §4.2 case an
+    operator clears."""
     stale = (now or timezone.now()) - heartbeat_timeout()
     not_live = (~Q(connection__status=states.CONN_ONLINE) | Q(connection__last_heartbeat_at__lt=stale)
                 | Q(connection__last_heartbeat_at__isnull=True))
-    return Turn.objects.filter(status__in=[states.RUNNING, states.REQUIRES_ACTION], connection__isnull=False).filter(
-        not_live)
+    stalled = Q(status=states.RUNNING, stalled_at__isnull=False)
+    return Turn.objects.filter(status__in=[states.RUNNING, states.REQUIRES_ACTION]).filter(
+        stalled | (Q(connection__isnull=False) & not_live))
 
 
 def turns_failed_since(since: datetime) -> QuerySet:
