@@ -43,10 +43,8 @@ agent-clis:
 ## run: embedded mode (SQLite, in-memory channel layer, in-process tasks): demo data, portal and a local daemon
 run: install
 	env -u DATABASE_URL -u REDIS_URL $(BIN)/python manage.py migrate --noinput -v0
-	env -u DATABASE_URL -u REDIS_URL $(BIN)/python manage.py chorus_demo
-	@echo ""
-	@echo "Log in with one of the demo logins above at http://$(HOST):$(PORT)/admin/"
-	env -u DATABASE_URL -u REDIS_URL $(BIN)/python manage.py chorus_serve --host $(HOST) --port $(PORT)
+	env -u DATABASE_URL -u REDIS_URL $(BIN)/python manage.py chorus_demo --quiet-logins
+	env -u DATABASE_URL -u REDIS_URL $(BIN)/python manage.py chorus_serve --host $(HOST) --port $(PORT) --demo-logins
 
 ## test: the whole suite against PostgreSQL and Redis
 test: install-test agent-clis

@@ -369,7 +369,9 @@ class Turn:
         intent, ref = intent.lower(), ref.strip()
         if intent not in OUTCOME_INTENTS:
             raise Refused(f"@outcome needs one of {', '.join(OUTCOME_INTENTS)}, got {intent!r}")
-        body = {"intent": intent, **({"ref": ref} if ref else {}), "summary": self.message[:500] or None}
+        # The summary is the agent's own words (its replies so far), never the prompt it was given.
+        summary = "\n".join(self.reply)[:500] or None
+        body = {"intent": intent, **({"ref": ref} if ref else {}), "summary": summary}
         emit("outcome", **{k: v for k, v in body.items() if v is not None})
         attempt = os.environ.get("CHORUS_ATTEMPT_ID")
         if attempt:

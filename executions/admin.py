@@ -5,13 +5,22 @@ from django.contrib import admin
 from django.urls import path, reverse
 from django.utils.html import format_html
 
-from chorus_site.admin_base import OpsAdmin, live_badge
+from chorus_site.admin_base import OpsAdmin, id_cell, live_badge
 from chorus_site.audit import audit_record
 from chorus_site.errors import ApplicationError
 
 from . import admin_views, selectors, services, states, troubleshooting, workflows
 from .attention import RunAttentionFilter
 from .models import AgentTask, Approval, Artifact, Attempt, Comment, Issue, Run, RunNode, WorkflowDefinition, WorkflowRevision
+
+
+def run_wait_text(run) -> str:
+    """What a waiting run waits for and what unblocks it; "" when it does not wait."""
+    if run.state != "waiting":
+        return ""
+    reason = (run.wait_reason or "reason not recorded").replace("_", " ")
+    unblock = (run.wait_detail or {}).get("unblock")
+    return f"{reason}: {unblock}" if unblock else reason
 
 
 def _link(obj, label=None):
@@ -51,19 +60,6 @@ class IssueAdmin(OpsAdmin):
     def get_readonly_fields(self, request, obj=None):
         return [] if obj is None else ["status", "version", "created_at", "updated_at"]
 
-    change_form_template = "admin/executions/issue/change_form.html"
-    change_list_template = "admin/executions/issue/change_list.html"
-
-    def get_urls(self):
-        view = self.admin_site.admin_view(lambda request, object_id: admin_views.issue_start_run_view(
-            self, request, object_id))
-        inbox = self.admin_site.admin_view(lambda request: admin_views.inbox_view(self, request))
-        reopen = self.admin_site.admin_view(lambda request, object_id: admin_views.issue_reopen_view(
-            self, request, object_id))
-        return [path("inbox/", inbox, name="executions_issue_inbox"),
-                path("<path:object_id>/reopen/", reopen, name="executions_issue_reopen"),
-                path("<path:object_id>/start-run/", view, name="executions_issue_start_run")] + super().get_urls()
-
     def save_model(self, request, obj, form, change):
         # Writing an issue is an operator action: audited as in the API (SPEC §3), created through
         # the same service (its issue.created event); an edit writes only the fields it changed,
@@ -82,6 +78,15 @@ class IssueAdmin(OpsAdmin):
         audit_record(actor=request.user, action="issue.create", target=f"issue:{issue.pk}", outcome="created",
                      client="admin")
 
+    change_form_template = "admin/executions/issue/change_form.html"
+    change_list_template = "admin/executions/issue/change_list.html"
+
+    def get_urls(self):
+        view = self.admin_site.admin_view(lambda request, object_id: admin_views.issue_start_run_view(
+            self, request, object_id))
+        inbox = self.admin_site.admin_view(lambda request: admin_views.inbox_view(self, request))
+        reopen = self.admin_site.admin_view(lambda request, object_id: admin_views.issue_reopen_view(
+            self, request, object_id))
         return [path("inbox/", inbox, name="executions_issue_inbox"),
                 path("<path:object_id>/reopen/", reopen, name="executions_issue_reopen"),
                 path("<path:object_id>/start-run/", view, name="executions_issue_start_run")] + super().get_urls()
@@ -196,7 +201,7 @@ class WorkflowRevisionAdmin(OpsAdmin):
 
 @admin.register(Run)
 class RunAdmin(OpsAdmin):
-    list_display = ["short_id", "issue", "mode", "state_badge", "wait_reason", "rerun_of_link", "created_at",
+    list_display = ["id_short", "issue", "mode", "state_badge", "wait_why", "rerun_of_link", "created_at",
                     "completed_at"]
     list_filter = ["state", "mode", "wait_reason"]
     search_fields = ["issue__title"]
@@ -209,9 +214,15 @@ class RunAdmin(OpsAdmin):
     def get_list_filter(self, request):
         return [RunAttentionFilter, *super().get_list_filter(request)]  # what the dashboard counts
 
+    detail_select_related = ("issue",)
+
     @admin.display(description="run", ordering="id")
-    def short_id(self, obj):
-        return str(obj.pk)[:8]
+    def id_short(self, obj):
+        return id_cell(obj.pk)
+
+    @admin.display(description="waiting for", ordering="wait_reason")
+    def wait_why(self, obj):
+        return run_wait_text(obj) or "–"
 
     @admin.display(description="state", ordering="state")
     def state_badge(self, obj):
@@ -219,7 +230,7 @@ class RunAdmin(OpsAdmin):
 
     @admin.display(description="rerun of")
     def rerun_of_link(self, obj):
-        return _link(obj.rerun_of, str(obj.rerun_of_id)[:8]) if obj.rerun_of_id else "–"
+        return _link(obj.rerun_of, id_cell(obj.rerun_of_id)) if obj.rerun_of_id else "–"
 
     def object_stream(self, obj):
         return obj.stream
@@ -252,6 +263,7 @@ class RunAdmin(OpsAdmin):
                    "cancel": obj.state not in {"cancelling", "cancelled", "succeeded", "partial_succeeded", "failed"},
                    "rerun": obj.state in {"cancelled", "succeeded", "partial_succeeded", "failed"}}
         return {"graph": selectors.run_graph(obj), "state_badge": live_badge(obj, "state"),
+                "wait_text": run_wait_text(obj),
                 "reruns": list(obj.reruns.all()[:20]), "evidence": selectors.attempt_evidence(obj),
                 "can_signal": obj.state not in states.RUN_TERMINAL and user.has_perm("executions.signal_run"),
                 "can_retry_task": user.has_perm("executions.retry_task"),
@@ -280,11 +292,12 @@ class RunNodeAdmin(OpsAdmin):
 
 @admin.register(AgentTask)
 class AgentTaskAdmin(OpsAdmin):
-    list_display = ["id", "node", "ordinal", "status_badge", "retry_of", "leader", "wait_reason"]
+    list_display = ["id_short", "node", "ordinal", "status_badge", "retry_of", "leader", "wait_reason"]
     list_filter = ["status", "leader"]
     list_select_related = ["node", "retry_of"]
     uuid_search_fields = ("pk", "node_id", "retry_of_id", "session_id")
     raw_id_fields = ["node", "retry_of", "session", "current_attempt"]
+    detail_select_related = ("node",)
 
     @admin.display(description="status", ordering="status")
     def status_badge(self, obj):
@@ -299,12 +312,13 @@ class AgentTaskAdmin(OpsAdmin):
 
 @admin.register(Attempt)
 class AttemptAdmin(OpsAdmin):
-    list_display = ["id", "task", "number", "state_badge", "connection", "backend", "started_at", "ended_at"]
+    list_display = ["id_short", "task", "number", "state_badge", "connection", "backend", "started_at", "ended_at"]
     list_filter = ["state", "backend"]
     search_fields = ["provider_session_id__exact"]
     uuid_search_fields = ("pk", "task_id", "session_id", "turn_id")
     list_select_related = ["task", "connection"]
     raw_id_fields = ["task", "connection", "session", "turn"]
+    detail_select_related = ("task__node",)
     live_streams = ("dashboard",)
 
     @admin.display(description="state", ordering="state")
@@ -320,7 +334,7 @@ class AttemptAdmin(OpsAdmin):
 
 @admin.register(Approval)
 class ApprovalAdmin(OpsAdmin):
-    list_display = ["id", "node", "status_badge", "approver_user", "approver_group", "decided_by", "created_at"]
+    list_display = ["id_short", "node", "status_badge", "approver_user", "approver_group", "decided_by", "created_at"]
     list_filter = ["status"]
     list_select_related = ["node", "approver_user", "approver_group", "decided_by"]
     raw_id_fields = ["node", "turn"]

@@ -107,7 +107,8 @@ class ConnectionAdmin(OpsAdmin):
 
 @admin.register(Session)
 class SessionAdmin(OpsAdmin):
-    list_display = ["title", "idea_key", "connection", "cwd", "backend", "status_badge", "last_turn_at"]
+    list_display = ["title", "idea_key", "connection", "cwd", "backend", "status_badge", "state_reason",
+                    "last_turn_at"]
     list_filter = ["status", "backend", "connection"]
     search_fields = ["title", "idea_key", "cwd", "backend_session_id__exact"]
     uuid_search_fields = ("pk", "connection_id")
@@ -118,6 +119,30 @@ class SessionAdmin(OpsAdmin):
     @admin.display(description="status", ordering="status")
     def status_badge(self, obj):
         return live_badge(obj)
+
+    def get_changelist(self, request, **kwargs):
+        class SessionChangeList(super().get_changelist(request, **kwargs)):
+            def get_results(self, request):
+                super().get_results(request)
+                selectors.attach_last_turns(self.result_list)
+
+        return SessionChangeList
+
+    @staticmethod
+    def _state(obj):
+        return selectors.session_state(obj, seq=getattr(obj, "last_turn_seq", None),
+                                       status=getattr(obj, "last_turn_status", None),
+                                       reason=getattr(obj, "last_turn_reason", None))
+
+    def _state_of(self, obj):
+        selectors.attach_last_turns([obj])
+        return self._state(obj)
+
+    @admin.display(description="state")
+    def state_reason(self, obj):
+        label, why = self._state(obj)
+        return format_html('<span class="chorus-badge chorus-state-{}">{}</span> <span class="chorus-muted">{}</span>',
+                           label.replace(" ", ""), label, why)
 
     def object_stream(self, obj):
         return obj.stream
@@ -132,16 +157,24 @@ class SessionAdmin(OpsAdmin):
     def _bind(self, fn):
         return lambda request, object_id: fn(self, request, object_id)
 
+    @staticmethod
+    def _turns_with_reasons(obj):
+        turns = list(obj.turns.select_related("connection").order_by("-seq")[:50])
+        for turn in turns:  # a pending turn says why it waits (connection offline, queued, …)
+            turn.pending_why = selectors.pending_reason(turn, turn.connection or obj.connection)
+        return turns
+
     def extra_detail_context(self, request, obj):
         user = request.user
         return {
             "can_resume": user.has_perm("sessions_app.resume_session"),
             "can_handoff": user.has_perm("sessions_app.handoff_session"),
             "can_message": user.has_perm("sessions_app.message_session") and obj.status == "active",
-            "turns": list(obj.turns.order_by("-seq")[:50]),
+            "turns": self._turns_with_reasons(obj),
             "handoff_to": Session.objects.filter(handoff_from=obj).first(),
             "transcript": list(obj.transcript.order_by("-id")[:20])[::-1],
             "takeover": selectors.takeover_for(obj),
+            "session_state": self._state_of(obj),
             "turn_url_template": reverse("admin:sessions_app_turn_change",
                                          args=["00000000-0000-0000-0000-000000000000"]),
         }
@@ -156,6 +189,7 @@ class TurnAdmin(OpsAdmin):
     search_fields = ["prompt"]  # only used when the term is not an id
     list_select_related = ["session"]
     raw_id_fields = ["session"]
+    detail_select_related = ("session",)
     live_streams = ("dashboard",)
     change_form_template = "admin/sessions_app/turn/change_form.html"
     actions = ["interrupt_selected", "mark_interrupted_selected"]
@@ -211,8 +245,10 @@ class TurnAdmin(OpsAdmin):
     def stalled_badge(self, obj):
         return live_badge(obj, "stalled")
 
-    # Shown live in the State and Stalled panels instead; a static copy would go stale on the page.
-    live_fields = {"wake_error", "status", "interrupted_reason", "stop_state", "stalled_at", "stall_evidence"}
+    # Shown live in the State panel instead (a static copy would go stale on the page), or
+    # readably in a panel of their own (changes: a file list and a diff, never a dict).
+    live_fields = {"wake_error", "status", "interrupted_reason", "stop_state", "changes",
+                   "stalled_at", "stall_evidence"}  # the Stalled panel shows these
 
     def get_readonly_fields(self, request, obj=None):
         return [f for f in super().get_readonly_fields(request, obj) if f not in self.live_fields]
@@ -237,6 +273,8 @@ class TurnAdmin(OpsAdmin):
             "can_mark_interrupted": obj.status in {"running", "requires_action"}
             and request.user.has_perm("sessions_app.mark_interrupted_turn"),
             "wake_error": selectors.wake_error_out(obj.wake_error, with_details=show_details),
+            "changes": selectors.changes_view(obj.changes),
+            "pending_why": selectors.pending_reason(obj),
             "status_badge": live_badge(obj, label=obj.status_label),
             "stop_badge": live_badge(obj, "stop_state"),
             "retrying_badge": retrying_badge(obj),
@@ -279,7 +317,7 @@ class TranscriptMessageAdmin(OpsAdmin):
 
 @admin.register(ControlCommand)
 class ControlCommandAdmin(OpsAdmin):
-    list_display = ["id", "action", "connection", "turn", "state_badge", "created_at", "acked_at"]
+    list_display = ["id_short", "action", "connection", "turn", "state_badge", "created_at", "acked_at"]
     list_filter = ["action", "state"]
     list_select_related = ["connection", "turn"]
     raw_id_fields = ["connection", "turn"]

@@ -138,7 +138,8 @@ def session_resume_view(admin, request, object_id):
                  touched=[f"A new turn (trigger resume) in {session.cwd} on {session.connection.name}, continuing "
                           f"the agent's own session {session.backend_session_id or '(id not known yet)'}"],
                  fields=[("context", "Added context or correction for the agent", "textarea")],
-                 extra={"preflight": preflight, "blocked": None if preflight["resumable"] else preflight["refusal"]})
+                 extra={"preflight": preflight, "preflight_changes": selectors.changes_view(preflight["files_changed_since"]),
+                        "blocked": None if preflight["resumable"] else preflight["refusal"]})
 
 
 def session_handoff_view(admin, request, object_id):

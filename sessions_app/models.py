@@ -8,7 +8,7 @@ from django.core.validators import MinValueValidator
 from django.db import models
 from django.db.models import Q
 
-from chorus_site.ids import uuid7
+from chorus_site.ids import short_id, uuid7
 from chorus_site.permissions import ACTION_PERMISSIONS
 
 from . import states
@@ -160,7 +160,10 @@ class Turn(models.Model):
         permissions = _perms("turn")
 
     def __str__(self):
-        return f"turn {self.seq} of {self.session_id}"
+        # The session's name when it is loaded (no query of its own: listed on large changelists).
+        if Turn.session.is_cached(self):
+            return f"turn {self.seq} of {self.session}"
+        return f"turn {self.seq} of session {short_id(self.session_id)}"
 
     @property
     def stream(self) -> str:
@@ -234,4 +237,5 @@ class ControlCommand(models.Model):
         ordering = ["-id"]
 
     def __str__(self):
-        return f"{self.action} → {self.connection_id} ({self.state})"
+        where = self.connection.name if ControlCommand.connection.is_cached(self) else short_id(self.connection_id)
+        return f"{self.action} → {where} ({self.state})"

@@ -259,3 +259,94 @@ def resume_preflight(session: Session) -> dict:
 
 def diagnostics_visible(user) -> bool:
     return can_view_diagnostics(user)
+
+
+# git status --porcelain XY codes, as an operator reads them.
+CHANGE_LABELS = {"M": "modified", "A": "added", "D": "deleted", "R": "renamed", "C": "copied", "T": "type changed",
+                 "U": "conflict", "??": "untracked (new)", "!!": "ignored"}
+
+
+def changes_view(changes: dict | None) -> dict | None:
+    """A turn's ``changes`` as the admin shows them: a file list with status letters and the diff.
+
+    ``changes`` is what the daemon reported (agents/changes.py): git porcelain lines, or files
+    modified since the spawn outside git.  None when nothing was reported.
+    """
+    if not isinstance(changes, dict) or not changes:
+        return None
+    files = []
+    if changes.get("git"):
+        for line in changes.get("status") or []:
+            code, path = line[:2], line[3:]
+            if code in {"??", "!!"}:
+                letters, label = code, CHANGE_LABELS[code]
+            else:  # X: the index, Y: the work tree
+                letters = code.strip()
+                label = ", ".join(CHANGE_LABELS.get(c, c) for c in dict.fromkeys(letters))
+            files.append({"letters": letters, "path": path, "label": label})
+    else:
+        files = [{"letters": "M", "path": path, "label": "modified since the agent started"}
+                 for path in changes.get("files") or []]
+    return {"git": bool(changes.get("git")), "files": files, "diff_stat": changes.get("diff_stat") or "",
+            "diff": changes.get("diff") or "", "diff_truncated": bool(changes.get("diff_truncated")),
+            "truncated": bool(changes.get("truncated")), "head": changes.get("head") or "",
+            "error": changes.get("error") or ""}
+
+
+def attach_last_turns(sessions) -> None:
+    """Give each session of a page ``last_turn_seq/status/reason``: one query for the whole page
+    (each session's latest turn through the (session, seq) unique index), not one per row, and
+    nothing added to the list's count query."""
+    sessions = list(sessions)
+    if not sessions:
+        return
+    from django.db.models import OuterRef, Subquery
+
+    latest = Turn.objects.filter(session=OuterRef("pk")).order_by("-seq")
+    rows = {row["pk"]: row for row in Session.objects.filter(pk__in=[s.pk for s in sessions]).annotate(
+        t_seq=Subquery(latest.values("seq")[:1]), t_status=Subquery(latest.values("status")[:1]),
+        t_reason=Subquery(latest.values("interrupted_reason")[:1])).values("pk", "t_seq", "t_status", "t_reason")}
+    for session in sessions:
+        row = rows.get(session.pk) or {}
+        session.last_turn_seq = row.get("t_seq")
+        session.last_turn_status = row.get("t_status")
+        session.last_turn_reason = row.get("t_reason")
+
+
+def session_state(session: Session, *, seq=None, status=None, reason=None) -> tuple[str, str]:
+    """(what the session is doing, why / what to do) as the operator reads it: "active" alone
+    says nothing of a session whose last turn crashed."""
+    if session.status == states.SESSION_ENDED:
+        return "ended", "no new turns: a hand-off continues it in a new session"
+    if status is None:
+        return "active", "no turn yet"
+    if status == states.RUNNING:
+        return "working", f"turn #{seq} is running"
+    if status == states.PENDING:
+        return "working", f"turn #{seq} is pending (see the turn for why)"
+    if status == states.REQUIRES_ACTION:
+        return "needs attention", f"turn #{seq} waits for an answer"
+    if status == states.INTERRUPTED:
+        label = f"interrupted ({reason})" if reason else "interrupted"
+        if reason == states.REASON_USER:
+            return "idle", f"turn #{seq} was {label}; resume or send a message"
+        return "needs attention", f"turn #{seq} was {label}; resume or hand off"
+    return "idle", f"turn #{seq} {status.replace('_', ' ')}; send a message to continue"
+
+
+def pending_reason(turn: Turn, connection: Connection | None = None) -> str:
+    """Why a pending turn has not started (for its page and lists); "" when it is not pending."""
+    if turn.status != states.PENDING:
+        return ""
+    connection = connection or turn.connection or turn.session.connection
+    if connection.status == states.CONN_DRAINING:
+        return f"connection {connection.name} is draining: it takes no new work"
+    if not connection_is_live(connection):
+        return (f"connection {connection.name} is offline: it starts when its daemon is back, or is settled "
+                f"interrupted (offline) after {settings.CHORUS_HEARTBEAT_TIMEOUT_S} s")
+    earlier = (Turn.objects.filter(session_id=turn.session_id, seq__lt=turn.seq,
+                                   status__in=[states.RUNNING, states.REQUIRES_ACTION, states.PENDING])
+               .order_by("-seq").values_list("seq", flat=True).first())
+    if earlier is not None:
+        return f"queued behind turn #{earlier} of the session"
+    return f"sent to {connection.name}: waiting for its daemon to start it"

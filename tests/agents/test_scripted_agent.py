@@ -390,7 +390,7 @@ def test_outcome_member_comment_artifact_are_posted_with_the_task_token(run, por
     env = {"CHORUS_API_URL": url, "CHORUS_TASK_TOKEN": "tok-123", "CHORUS_ATTEMPT_ID": "att-1",
            "CHORUS_RUN_ID": "run-1", "CHORUS_ISSUE_ID": "iss-1"}
     agent = run("Lead the work.\n@member api Build the API\n@comment halfway there\n@artifact report.md all good\n"
-                "@outcome succeeded", env=env)
+                "@reply Split the work in two.\n@outcome succeeded", env=env)
     assert agent.wait() == 0
     assert [(path, auth) for path, auth, _ in requests] == [
         ("/api/v1/runs/run-1/nodes", "Bearer tok-123"), ("/api/v1/issues/iss-1/comments", "Bearer tok-123"),
@@ -398,9 +398,10 @@ def test_outcome_member_comment_artifact_are_posted_with_the_task_token(run, por
     assert requests[0][2] == {"nodes": [{"key": "api", "prompt": "Build the API"}]}
     assert requests[1][2]["body"] == "halfway there"
     assert requests[2][2]["name"] == "report.md" and requests[2][2]["content"] == "all good"
-    assert requests[3][2] == {"intent": "succeeded", "summary": "Lead the work."}
+    # The summary is the agent's own reply, never the prompt it was given ("Lead the work.").
+    assert requests[3][2] == {"intent": "succeeded", "summary": "Split the work in two."}
     summary = agent.summary()
-    assert summary["outcome"] == {"intent": "succeeded", "summary": "Lead the work."}
+    assert summary["outcome"] == {"intent": "succeeded", "summary": "Split the work in two."}
     assert [t.data["name"] for t in agent.events() if t.kind == EV_TOOL] == [
         "chorus.member", "chorus.comment", "chorus.artifact"]
 

@@ -133,6 +133,34 @@
     }, 300);
   }
 
+  // Parts of a detail page marked data-live-refresh (turn rows with their times, the transcript,
+  // the actions offered, a task's links) are re-read from the server when an event of the page's
+  // own object arrives: what they show follows the state without the page building it in JS.
+  // At most one read at a time and one per 700 ms; a burst of events costs one read after it.
+  var marked = document.querySelectorAll("[data-live-refresh]");
+  var markedTimer = null, markedBusy = false, markedAgain = false;
+  function refreshMarked(event) {
+    if (!marked.length || event.stream === "dashboard") return;
+    if (event.kind === "turn.output" && event.data.type !== "tool") return;  // streamed text: no state change
+    if (markedBusy) { markedAgain = true; return; }
+    clearTimeout(markedTimer);
+    markedTimer = setTimeout(function () {
+      markedBusy = true;
+      fetch(location.href, {credentials: "same-origin"}).then(function (r) { return r.text(); }).then(function (html) {
+        var fresh = new DOMParser().parseFromString(html, "text/html");
+        document.querySelectorAll("[data-live-refresh]").forEach(function (now) {
+          var next = fresh.getElementById(now.id);
+          if (next && now.innerHTML !== next.innerHTML) now.innerHTML = next.innerHTML;
+          else if (!next) now.replaceChildren();  // no longer offered (e.g. Interrupt after the stop)
+        });
+        document.dispatchEvent(new CustomEvent("chorus:refreshed"));
+      }).finally(function () {
+        markedBusy = false;
+        if (markedAgain) { markedAgain = false; refreshMarked(event); }
+      });
+    }, 700);
+  }
+
   function connect() {
     var scheme = location.protocol === "https:" ? "wss://" : "ws://";
     var socket = new WebSocket(scheme + location.host + "/ws/live/");
@@ -160,6 +188,7 @@
           appendTimeline(event);
           appendTurn(event);
           refreshSections(event);
+          refreshMarked(event);
           document.dispatchEvent(new CustomEvent("chorus:event", {detail: event}));
         });
       } else if (message.type === "error") {

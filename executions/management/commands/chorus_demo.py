@@ -7,6 +7,7 @@ Data: created once through the services, so every object has its event timeline.
 from __future__ import annotations
 
 import secrets
+import subprocess
 from pathlib import Path
 
 from django.conf import settings
@@ -25,6 +26,25 @@ from sessions_app.models import BackendSetting, Connection
 
 DEMO_USERS = [("viewer", VIEWER), ("operator", OPERATOR), ("diagnostics", DIAGNOSTICS), ("admin", ADMIN)]
 CANARY = "sk-ant-demo0000SECRET0000canary0000key"  # shows redaction at work; not a real key
+
+
+def demo_workspace() -> Path:
+    """The local daemon's directory, a git repository of its own with one commit.
+
+    It lies under var/, which the project's own checkout ignores: without a repository here git
+    would answer for the project's and report every change of the agent as nothing.
+    """
+    path = Path(settings.DATA_DIR) / "demo-workspace"
+    path.mkdir(parents=True, exist_ok=True)
+    if not (path / ".git").exists():
+        git = ["git", "-C", str(path), "-c", "user.name=Chorus demo", "-c", "user.email=demo@chorus.invalid"]
+        subprocess.run([*git, "init", "-q"], check=True)
+        readme = path / "README.md"
+        if not readme.exists():
+            readme.write_text("# Demo workspace\n\nThe scripted agent of `make run` works here.\n")
+        subprocess.run([*git, "add", "-A"], check=True)
+        subprocess.run([*git, "commit", "-q", "--allow-empty", "-m", "Demo workspace"], check=True)
+    return path
 
 
 class Command(BaseCommand):
@@ -65,8 +85,7 @@ class Command(BaseCommand):
 
     # ------------------------------------------------------------ data
     def _data(self):
-        demo_dir = str(Path(settings.DATA_DIR) / "demo-workspace")
-        Path(demo_dir).mkdir(parents=True, exist_ok=True)
+        demo_dir = str(demo_workspace())
         now = timezone.now()
         alice, _ = ss.connection_register(name="laptop-alice", host="alice-mbp.local", backend="scripted",
                                           cwds=[demo_dir, "/srv/repos"])
@@ -154,12 +173,12 @@ class Command(BaseCommand):
         workflow_create(name="scripted-demo", description="Plan, write and check a file with the scripted agent.",
                         spec={"nodes": [
                             {"key": "plan", "type": "agent",
-                             "prompt": "@sleep 3\n@outcome succeeded\n@reply Plan: write demo.txt."},
+                             "prompt": "@sleep 3\n@reply Plan: write demo.txt.\n@outcome succeeded"},
                             {"key": "write", "type": "agent", "depends_on": ["plan"],
                              "prompt": "@write demo.txt Written for: {{ issue.title }}\n@sleep 3\n"
-                                       "@outcome succeeded\n@reply Wrote demo.txt."},
+                                       "@reply Wrote demo.txt.\n@outcome succeeded"},
                             {"key": "check", "type": "agent", "depends_on": ["write"], "retry": {"max_task_retries": 1},
-                             "prompt": "@sleep 2\n@outcome succeeded\n@reply demo.txt looks right."},
+                             "prompt": "@sleep 2\n@reply demo.txt looks right.\n@outcome succeeded"},
                         ]})
         ex.issue_create(title="Try a declared run", body="Start a run of this issue from its page: mode declared, "
                         "workflow scripted-demo r1, then watch the task map.",
@@ -179,23 +198,30 @@ class Command(BaseCommand):
             for state in states_path:
                 extra = {}
                 if state == "waiting":
-                    extra = {"wait_reason": "host_offline", "wait_detail": {"connection": str(conn.pk),
-                                                                            "unblock": "restore the daemon"}}
+                    extra = offline_wait
                 if state == "failed":
                     extra = {"failure_code": "agent_failed", "failure_message": "the test node failed twice"}
                 ex.run_set_state(run_id=r.pk, state=state, **extra)
             return r
 
+        # What the engine itself would hold: a waiting node, task and run name the same reason, so
+        # the periodic tick of waiting runs (runs_tick_waiting) recomputes the same reason.
+        offline_wait = {"wait_reason": "host_offline",
+                        "wait_detail": {"connection": str(conn.pk), "unblock": "restore the daemon"}}
+
         def node(r, key, path, type="agent"):
             n = RunNode.objects.create(run=r, key=key, type=type)
             for state in path:
-                ex.node_set_state(node_id=n.pk, state=state)
+                wait = offline_wait if type == "agent" else {
+                    "wait_reason": "approval", "wait_detail": {"unblock": "decide the approval (inbox or API)"}}
+                ex.node_set_state(node_id=n.pk, state=state, **(wait if state == "waiting" else {}))
             return n
 
         def task(n, path, ordinal=1, retry_of=None):
             t = AgentTask.objects.create(node=n, ordinal=ordinal, retry_of=retry_of)
             for status in path:
-                ex.task_set_status(task_id=t.pk, status=status)
+                ex.task_set_status(task_id=t.pk, status=status,
+                                   **({"wait_reason": "host_offline"} if status == "waiting" else {}))
             return t
 
         def attempt(t, number, path, **kw):
@@ -246,3 +272,7 @@ class Command(BaseCommand):
         cn = node(cancelling, "main", ["ready", "running"])
         attempt(task(cn, ["dispatched", "running"]), 1, ["assigned", "preparing", "running", "cancel_requested"])
         run(["running", "cancelling", "cancelled"])
+        # Issues with runs under way are in progress, as starting a run makes them (engine.run_start).
+        for worked_on in (issue, issue2):
+            for status in ("todo", "in_progress"):
+                ex.issue_set_status(issue_id=worked_on.pk, status=status)

@@ -27,10 +27,13 @@ class Command(BaseCommand):
         parser.add_argument("--host", default="127.0.0.1")
         parser.add_argument("--port", type=int, default=8000)
         parser.add_argument("--no-daemon", action="store_true", help="serve the portal only")
+        parser.add_argument("--demo-logins", action="store_true",
+                            help="give the demo users new passwords and print them, with the URL, once serving")
 
-    def handle(self, *args, host, port, no_daemon, **options):
-        workspace = Path(settings.DATA_DIR) / "demo-workspace"
-        workspace.mkdir(parents=True, exist_ok=True)
+    def handle(self, *args, host, port, no_daemon, demo_logins=False, **options):
+        from .chorus_demo import demo_workspace
+
+        workspace = demo_workspace()
         base = f"http://{host}:{port}"
         children: list[subprocess.Popen] = []
         stop = threading.Event()
@@ -53,8 +56,12 @@ class Command(BaseCommand):
                  "--backend", "scripted", "--sigint-timeout", "5", "--spool-dir", str(Path(settings.DATA_DIR) / "daemon-spool")],
                 cwd=settings.BASE_DIR, env=env))
             self.stdout.write(f"Local daemon: connection {LOCAL_CONNECTION}, scripted agent, directory {workspace}")
-        self.stdout.write(self.style.SUCCESS(f"Chorus Ops: {base}/admin/  ·  API {base}/api/v1/docs  ·  Ctrl-C stops"))
         threading.Thread(target=self._sweeps, args=(stop,), daemon=True).start()
+        # Last of the start-up output, so the logins do not scroll away among daphne's lines: after
+        # the local daemon said hello (its own log lines come first), or 15 s at most.
+        if not no_daemon:
+            self._wait_local_online(stop, timeout=15)
+        self._banner(base, self._demo_logins() if demo_logins else [])
         try:
             while not stop.is_set():
                 for child in children:
@@ -64,6 +71,35 @@ class Command(BaseCommand):
                 stop.wait(0.5)
         finally:
             self._stop(children)
+
+    @staticmethod
+    def _wait_local_online(stop: threading.Event, timeout: float):
+        from django.db import close_old_connections
+
+        from sessions_app.models import Connection
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and not stop.is_set():
+            close_old_connections()
+            if Connection.objects.filter(name=LOCAL_CONNECTION, status="online").exists():
+                stop.wait(0.5)  # its hello's log lines
+                return
+            stop.wait(0.3)
+
+    @staticmethod
+    def _demo_logins():
+        from .chorus_demo import Command as Demo
+
+        return Demo()._users()
+
+    def _banner(self, base: str, logins):
+        lines = ["", "=" * 72, f"Chorus Ops is running: open {base}/admin/", f"API docs: {base}/api/v1/docs"]
+        if logins:
+            lines.append("Demo logins (new passwords on every start):")
+            lines += [f"  {username:<12} {password:<26} {role}" for username, role, password in logins]
+        lines += ["Stop: press Ctrl-C here (stops the portal, the local daemon and the sweeps).", "=" * 72]
+        self.stdout.write("\n".join(lines))
+        self.stdout.flush()
 
     def _local_connection_key(self, workspace: str) -> str:
         from sessions_app.models import Connection
