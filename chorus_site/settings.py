@@ -188,6 +188,7 @@ INSTALLED_APPS = [
     "chorus_site",
     "sessions_app",
     "executions",
+    "chorus_site.notifications",  # issue 12: rules, deliveries (docs/alerts.md); app label "notifications"
     "agents",
 ]
 
@@ -410,6 +411,10 @@ CELERY_BEAT_SCHEDULE = {
                                 "options": {"expires": CHORUS_SWEEP_EXPIRES_S}},
     "tick-waiting-runs": {"task": "executions.tasks.runs_tick_waiting", "schedule": 5.0,
                           "options": {"expires": CHORUS_SWEEP_EXPIRES_S}},
+    # Notification rules (chorus_site/notifications/rules.py): new events are matched this often.
+    "scan-notifications": {"task": "chorus_site.notifications.tasks.notifications_scan",
+                           "schedule": float(env_int("CHORUS_NOTIFY_SCAN_S", 5, minimum=1)),
+                           "options": {"expires": CHORUS_SWEEP_EXPIRES_S}},
     # Stall detection (sessions_app/stalls.py): a stalled turn is flagged within its threshold + this.
     "sweep-stalled-turns": {"task": "sessions_app.tasks.turns_stall_sweep",
                             "schedule": float(env_int("CHORUS_STALL_SWEEP_S", 5, minimum=1)),
@@ -435,6 +440,19 @@ for _entry in CHORUS_METRICS_ALLOWLIST:
         ipaddress.ip_network(_entry, strict=False)
     except ValueError:
         raise ImproperlyConfigured(f"CHORUS_METRICS_ALLOWLIST: {_entry!r} is not an address or network") from None
+# Notifications (chorus_site/notifications/, docs/alerts.md): links in them start with CHORUS_PUBLIC_URL (the
+# portal's address as people reach it); a failed delivery is retried this many times, after
+# CHORUS_NOTIFY_RETRY_S, then twice that, ...; email goes through Django's SMTP backend.
+CHORUS_PUBLIC_URL = env_str("CHORUS_PUBLIC_URL", "") or ""
+CHORUS_NOTIFY_RETRIES = env_int("CHORUS_NOTIFY_RETRIES", 3, minimum=0)
+CHORUS_NOTIFY_RETRY_S = env_int("CHORUS_NOTIFY_RETRY_S", 30, minimum=0)
+EMAIL_HOST = env_str("EMAIL_HOST", "localhost")
+EMAIL_PORT = env_int("EMAIL_PORT", 25, minimum=1)
+EMAIL_HOST_USER = env_str("EMAIL_HOST_USER", "") or ""
+EMAIL_HOST_PASSWORD = env_str("EMAIL_HOST_PASSWORD", "") or ""
+EMAIL_USE_TLS = env_bool("EMAIL_USE_TLS", False)
+EMAIL_TIMEOUT = 10
+DEFAULT_FROM_EMAIL = env_str("DEFAULT_FROM_EMAIL", "chorus@localhost")
 # A running turn silent this long is flagged stalled, unless its connection or its backend
 # (sessions_app.BackendSetting, in the admin) says otherwise (docs/alerts.md).
 CHORUS_STALL_THRESHOLD_S = env_int("CHORUS_STALL_THRESHOLD_S", 600, minimum=1)

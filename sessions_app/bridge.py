@@ -14,7 +14,7 @@ from datetime import timedelta
 
 from asgiref.sync import async_to_sync
 from channels.layers import get_channel_layer
-from django.db import transaction
+from django.db import connection as db_connection, transaction
 from django.db.models.expressions import RawSQL
 from django.utils import timezone
 
@@ -75,6 +75,10 @@ def connection_daemon_connected(*, connection_id, hello: dict) -> Connection:
     fields["last_snapshot"] = {"hello_at": now.isoformat()}
     with transaction.atomic():
         connection = Connection.objects.select_for_update(no_key=True).get(pk=connection_id)
+        if fields.get("host") and connection.host and fields["host"] != connection.host:
+            # The key is used from another machine than the last one (a notification trigger, issue 12).
+            event_append(stream=f"connection:{connection_id}", kind="connection.new_host",
+                         data={"id": str(connection_id), "host": fields["host"], "previous_host": connection.host})
         if connection.status == states.CONN_OFFLINE:
             connection = services.connection_set_status(connection_id=connection_id, status=states.CONN_ONLINE,
                                                         **fields)
@@ -115,6 +119,9 @@ def _with_spool_health(spool: dict | None) -> dict:
     statement: a heartbeat must not overwrite what a concurrent hello stored)."""
     if spool is None:
         return {}
+    if db_connection.vendor == "sqlite":  # embedded mode (make run): SQLite has no jsonb ``||``
+        return {"capabilities": RawSQL("json_set(COALESCE(capabilities, '{}'), '$.spool', json(%s))",
+                                       [json.dumps(spool)])}
     return {"capabilities": RawSQL("COALESCE(capabilities, '{}'::jsonb) || %s::jsonb",
                                    [json.dumps({"spool": spool})])}
 

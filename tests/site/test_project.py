@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -133,3 +134,55 @@ def test_embedded_mode_smoke(tmp_path):
     finally:
         os.killpg(server.pid, signal.SIGTERM)
         server.wait(timeout=30)
+
+
+def test_make_run_ends_its_start_up_with_the_url_and_logins_and_stops_on_ctrl_c(tmp_path):
+    """`make run` as a newcomer runs it: the last start-up lines are the URL, the demo logins (which
+    work) and how to stop; the local daemon stays connected (no error in the log); Ctrl-C stops
+    everything."""
+    port = free_port()
+    env = clean_env(CHORUS_DATA_DIR=str(tmp_path))
+    log_path = tmp_path / "make-run.log"
+    with open(log_path, "w") as log:
+        # -o: the venv is taken as installed (the test runs from it); nothing is downloaded.
+        make = subprocess.Popen(["make", "-o", ".venv/.installed", "run", f"PORT={port}"], cwd=ROOT, env=env,
+                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            wait_until(lambda: "Stop: press Ctrl-C" in log_path.read_text() or make.poll() is not None, timeout=120,
+                       message="make run to finish starting")
+            text = log_path.read_text()
+            tail = text[text.rindex("Chorus Ops is running"):].splitlines()
+            assert tail[0] == f"Chorus Ops is running: open http://127.0.0.1:{port}/admin/"
+            logins = {line.split()[0]: line.split()[1] for line in tail if line.endswith(("ops_viewer",
+                      "ops_operator", "ops_diagnostics", "ops_admin"))}
+            assert set(logins) == {"viewer", "operator", "diagnostics", "admin"}
+            assert any(line.startswith("Stop: press Ctrl-C") for line in tail)
+            # The printed password is the valid one.
+            jar = CookieJar()
+            opener = urllib.request.build_opener(urllib.request.HTTPCookieProcessor(jar))
+            base = f"http://127.0.0.1:{port}"
+            opener.open(base + "/admin/login/")
+            csrf = next(c.value for c in jar if c.name == "csrftoken")
+            form = urllib.parse.urlencode({"username": "operator", "password": logins["operator"],
+                                           "csrfmiddlewaretoken": csrf, "next": "/admin/"}).encode()
+            page = opener.open(urllib.request.Request(base + "/admin/login/", data=form,
+                                                      headers={"Referer": base + "/admin/login/"}))
+            assert page.geturl().endswith("/admin/")
+            # The local daemon's heartbeats are stored (SQLite has no jsonb: they were a 1011 loop).
+            wait_until(lambda: 'id="spool-queued"' in _local_connection_page(opener, base), timeout=30,
+                       message="the local daemon's spool health to be stored")
+            assert "Exception inside application" not in log_path.read_text()
+        finally:
+            os.killpg(make.pid, signal.SIGINT)  # Ctrl-C in the terminal reaches the whole group
+            make.wait(timeout=60)
+    assert "Exception inside application" not in log_path.read_text()
+    left = subprocess.run(["pgrep", "-f", f"(--port|-p) {port}( |$)"], capture_output=True, text=True).stdout
+    assert left == "", left  # portal, daemon and sweeps all stopped
+
+
+def _local_connection_page(opener, base) -> str:
+    html = opener.open(base + "/admin/sessions_app/connection/?q=local-scripted").read().decode()
+    match = re.search(r'href="/admin/sessions_app/connection/([0-9a-f-]{36})/change/', html)
+    if not match:
+        return ""
+    return opener.open(base + f"/admin/sessions_app/connection/{match.group(1)}/change/").read().decode()
