@@ -6,7 +6,7 @@ import asyncio
 import json
 from uuid import UUID
 
-from asgiref.sync import sync_to_async
+from channels.db import database_sync_to_async
 from django.conf import settings
 from django.http import JsonResponse, StreamingHttpResponse
 from ninja import Router, Schema
@@ -81,7 +81,7 @@ async def _stream_user(request):
     if header[:7].lower() == "bearer ":
         ident = client_ident(request)
         credential_gate(ident, header[7:])  # 429 after too many failures
-        user = await sync_to_async(token_authenticate)(header[7:])
+        user = await database_sync_to_async(token_authenticate)(header[7:])
         if user is None:
             credential_failed(ident, header[7:])
         return user, (Grant(user_id=user.pk, token=header[7:]) if user is not None else None)
@@ -121,7 +121,7 @@ async def _while_allowed(follower, grant: Grant):
     try:
         while True:
             if loop.time() >= next_check:  # also on a busy stream, where the queue never runs dry
-                if not await sync_to_async(grant_still_valid)(grant):
+                if not await database_sync_to_async(grant_still_valid)(grant):
                     return  # access revoked: the stream ends; a reconnect is refused
                 next_check = loop.time() + interval
             try:
@@ -152,9 +152,9 @@ async def _sse(request, kind: str, object_id: UUID, after: str | None):
     if user is None:
         return _error(ApplicationError("unauthorized", "authentication required (session cookie or Bearer token)"))
     try:
-        if not await sync_to_async(has_ops_role)(user):
+        if not await database_sync_to_async(has_ops_role)(user):
             raise ApplicationError("not_found", "not found")
-        stream = await sync_to_async(_stream_of)(kind, object_id)
+        stream = await database_sync_to_async(_stream_of)(kind, object_id)
         # Last-Event-ID wins over ?after= (it is the newer: the browser sets it on reconnect).
         cursor = parse_cursor(request.headers.get("Last-Event-ID") or after)
         follower = follow(stream, cursor, heartbeat_s=settings.CHORUS_SSE_HEARTBEAT_S)

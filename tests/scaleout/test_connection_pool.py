@@ -13,9 +13,11 @@ import threading
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
 
 import psycopg
 import pytest
+from django.utils import timezone
 
 from chorus_site.tokens import token_create
 from tests import factories
@@ -101,3 +103,47 @@ def test_a_request_that_waits_out_the_pool_is_told_to_retry(monkeypatch, request
     assert status == 503, body
     assert headers.get("Retry-After") == "1"
     assert json.loads(body)["error"]["code"] == "busy"
+
+
+def test_open_sse_streams_hold_no_pooled_connection(monkeypatch, request, viewer):
+    """An SSE stream lives for minutes; if it kept the connection its access re-check used, a few
+    open streams would take the whole pool and every other request of the process would wait it
+    out (503 busy). Five streams (one token each) on a pool of two: once every stream has re-checked
+    its token, an ordinary list request is still served."""
+    from chorus_site.models import ApiToken
+
+    monkeypatch.setenv("DATABASE_POOL_MAX_SIZE", str(POOL_MAX))
+    monkeypatch.setenv("DATABASE_POOL_TIMEOUT_S", "3")
+    monkeypatch.setenv("CHORUS_ACCESS_RECHECK_S", "1")  # the re-check runs while the streams are open
+    monkeypatch.setenv("CHORUS_SSE_HEARTBEAT_S", "60")  # nothing but the re-check touches the database
+    monkeypatch.setenv("PGAPPNAME", APP_NAME)
+    portal = request.getfixturevalue("portal_server")
+    session = factories.make_session()
+    tokens = [token_create(user=viewer, name=f"sse-pool-{n}") for n in range(5)]
+
+    streams = []
+    try:
+        for _token, raw in tokens:
+            req = urllib.request.Request(f"{portal}/api/v1/sessions/{session.pk}/events/stream",
+                                         headers={"Authorization": f"Bearer {raw}"})
+            response = urllib.request.urlopen(req, timeout=30)
+            assert response.status == 200
+            assert response.readline().startswith(b": connected")
+            streams.append(response)
+        # A token's use is stamped at most once a minute: age the stamps, so a fresh one proves that
+        # stream's re-check ran after all five were open.
+        opened = timezone.now()
+        ids = [token.pk for token, _raw in tokens]
+        ApiToken.objects.filter(pk__in=ids).update(last_used_at=opened - timedelta(hours=1))
+        wait_until(lambda: ApiToken.objects.filter(pk__in=ids, last_used_at__gte=opened).count() == len(ids),
+                   timeout=30, message="every open stream to re-check its token")
+        req = urllib.request.Request(portal + "/api/v1/sessions", headers={"Authorization": f"Bearer {tokens[0][1]}"})
+        try:
+            with urllib.request.urlopen(req, timeout=60) as response:
+                status, body = response.status, response.read()
+        except urllib.error.HTTPError as error:
+            status, body = error.code, error.read()
+        assert status == 200, body
+    finally:
+        for response in streams:
+            response.close()
