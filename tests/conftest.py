@@ -15,6 +15,24 @@ from django.test.utils import override_settings
 from chorus_site import permissions
 from tests import factories
 
+# The test process itself runs race tests with up to a dozen threads, each on a connection of its
+# own, all at once; the portal's per-process pool (DATABASE_POOL_MAX_SIZE, 4 by default: sized for
+# request threads that take turns) would make them wait on each other instead of racing. The pool
+# is built on the first connection, so widening it here, at import, is in time. Portal processes
+# the tests start keep the configured size.
+TEST_PROCESS_POOL_MAX = 24
+
+
+def _widen_the_test_process_pool():
+    from django.db import connections
+
+    pool = connections["default"].settings_dict.get("OPTIONS", {}).get("pool")
+    if isinstance(pool, dict):
+        pool["max_size"] = max(pool["max_size"], TEST_PROCESS_POOL_MAX)
+
+
+_widen_the_test_process_pool()
+
 PASSWORD = factories.PASSWORD
 
 # fixture name -> (username, role group or None)
