@@ -242,18 +242,21 @@ def turn_interrupt(*, actor, turn_id, client: str = "api", reason: str | None = 
     target = f"turn:{turn.pk}"
     stop_before = turn.stop_state
     if turn.status == states.INTERRUPTED and (turn.interrupted_reason == states.REASON_OFFLINE
-                                              or turn.stop_state == states.STOP_NONE):
+                                              or turn.stop_state in {states.STOP_NONE, states.STOP_UNCONFIRMED}):
         # Settled while its daemon was away, but the daemon's latest snapshot lists it: the process
         # lives.  Reopened first (sessions_app.reconcile), so this interrupt reaches it; or, when it
-        # may not run again, its daemon is told to stop it there.
+        # may not run again, its daemon is told to stop it there (again, if that stop went unconfirmed).
         from .reconcile import turn_reconcile_if_listed
 
-        turn_reconcile_if_listed(turn=turn)
+        turn_reconcile_if_listed(turn=turn, ask_again=True)
     with transaction.atomic():
         turn = services.turn_lock(turn.pk, related=("session__connection",))  # session → turn
-        if turn.status == states.INTERRUPTED and stop_before == states.STOP_NONE and turn.stop_state in STOPS_UNDER_WAY:
-            _audit(actor, "turn.interrupt", target, "stop requested (its daemon holds the settled turn's process)",
-                   client=client, reason=reason, idempotency_key=idempotency_key)
+        if (turn.status == states.INTERRUPTED and stop_before in {states.STOP_NONE, states.STOP_UNCONFIRMED}
+                and turn.stop_state in STOPS_UNDER_WAY):
+            again = " again (the last stop went unconfirmed)" if stop_before == states.STOP_UNCONFIRMED else ""
+            _audit(actor, "turn.interrupt", target,
+                   f"stop requested{again} (its daemon holds the settled turn's process)", client=client,
+                   reason=reason, idempotency_key=idempotency_key)
             return {"changed": True, "dispatched": True, "settled": True, "status": turn.status,
                     "stop_state": turn.stop_state, "deadline": turn.stop_deadline_at.isoformat()}
         if turn.status == states.INTERRUPTED or (
@@ -281,9 +284,13 @@ def turn_interrupt(*, actor, turn_id, client: str = "api", reason: str | None = 
             raise ApplicationError("invalid_transition", f"a turn that is {turn.status_label} cannot be interrupted",
                                    {"status": turn.status})
         connection = selectors.turn_runner_connection(turn)  # not the session's: it may have moved since
+        # A stop that went unconfirmed is asked again: the daemon may hold the process still (it was
+        # frozen or cut off past the deadline), and the operator's word is to stop it (§4.1).
+        again = turn.stop_state == states.STOP_UNCONFIRMED
         turn, deadline = stop_ask(turn, connection, actor=actor)
-        _audit(actor, "turn.interrupt", target, "stop requested", client=client, reason=reason,
-               idempotency_key=idempotency_key)
+        _audit(actor, "turn.interrupt", target,
+               "stop requested again (the last stop went unconfirmed)" if again else "stop requested",
+               client=client, reason=reason, idempotency_key=idempotency_key)
     return {"changed": True, "dispatched": True, "settled": False, "status": turn.status,
             "stop_state": turn.stop_state, "deadline": deadline.isoformat()}
 

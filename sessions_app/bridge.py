@@ -20,6 +20,7 @@ from django.utils import timezone
 
 from agents import protocol
 from chorus_site import presence
+from chorus_site.audit import actor_name, audit_record
 from chorus_site.errors import ApplicationError
 from chorus_site.events import event_append, events_append_many
 from chorus_site.idempotency import idempotent_call
@@ -420,11 +421,16 @@ def _settle_interrupt_not_held(command: ControlCommand) -> None:
     connection says nothing about the agent's process.
     """
     turn = Turn.objects.select_related("session").filter(pk=command.turn_id).first()
-    if (turn is not None and turn.status == states.INTERRUPTED and turn.stop_state in STOPS_UNDER_WAY
+    if (turn is not None and turn.status == states.INTERRUPTED
+            and turn.stop_state in [*STOPS_UNDER_WAY, states.STOP_UNCONFIRMED]
             and _runner_id(turn) == command.connection_id):
-        # A settled turn whose process its daemon held (reconcile.turn_stop_held): gone now, by its word.
+        # A settled turn whose process its daemon held (reconcile.turn_stop_held): gone now, by its
+        # word, also when that word comes after the deadline.
         try:
-            services.turn_set_stop_state(turn_id=turn.pk, stop_state=states.STOP_CONFIRMED)
+            with transaction.atomic():
+                services.turn_set_stop_state(turn_id=turn.pk, stop_state=states.STOP_CONFIRMED)
+                if turn.stop_state == states.STOP_UNCONFIRMED:
+                    _stop_late(turn, states.STOP_CONFIRMED, basis=f"interrupt_not_held (command {command.pk})")
         except ApplicationError:
             pass  # its own stop report got there first
         return
@@ -449,6 +455,8 @@ def _settle_interrupt_not_held(command: ControlCommand) -> None:
             services.turn_set_status(turn_id=turn.pk, status=states.INTERRUPTED, reason=states.REASON_USER,
                                      stop_state=states.STOP_CONFIRMED, interrupt_evidence=evidence,
                                      data={"evidence": evidence["basis"]})
+            if turn.stop_state == states.STOP_UNCONFIRMED:
+                _stop_late(turn, states.STOP_CONFIRMED, basis=f"interrupt_not_held (command {command.pk})")
     except ApplicationError:
         return  # its own report (ended, interrupted) got there first
     _dispatch_next(turn.session_id)
@@ -522,9 +530,19 @@ def _apply_advance(connection: Connection, turn_id, report: dict) -> dict:
         # committing meanwhile (it clears the id) is not overwritten by a report read before it.
         Session.objects.filter(pk=session.pk, connection_id=_runner_id(turn)).update(
             backend_session_id=str(report["backend_session_id"])[:255])
+    late = turn.stop_state == states.STOP_UNCONFIRMED  # its deadline passed before this report came
+    basis = f"report {report.get('report_id')}"
     if status in (None, turn.status) and stop_state:
         # Stop progress only: signalled → escalated.
+        if late and stop_state != states.STOP_CONFIRMED:
+            # A step on the way (the daemon was frozen or cut off past the deadline): superseded by
+            # the doubt only its confirmation lifts.  Accepted, not refused: a refusal would hold up
+            # the confirmation queued behind it in the daemon's spool (agents/spool.py).
+            _stop_late(turn, stop_state, basis=basis)
+            return {"turn": str(turn.pk), "status": turn.status, "stop_state": turn.stop_state}
         turn = services.turn_set_stop_state(turn_id=turn.pk, stop_state=stop_state)
+        if late:
+            _stop_late(turn, stop_state, basis=basis)
         return {"turn": str(turn.pk), "status": turn.status, "stop_state": turn.stop_state}
     if status not in {protocol.RUNNING, protocol.REQUIRES_ACTION, protocol.ENDED, protocol.INTERRUPTED}:
         raise ApplicationError("bad_request", f"unknown status {status!r}")
@@ -549,15 +567,17 @@ def _apply_advance(connection: Connection, turn_id, report: dict) -> dict:
         if report.get("final_reply"):
             fields["final_reply"] = str(report["final_reply"])
         if stop_state is None and turn.stop_state in {states.STOP_REQUESTED, states.STOP_SIGNALLED,
-                                                      states.STOP_ESCALATED}:
-            # The agent exited while a stop was under way.  Confirmed only if nothing survived; a
-            # daemon that could not clear the tree lists the survivors and the deadline job then
-            # marks the stop unconfirmed: it never pretends.
+                                                      states.STOP_ESCALATED, states.STOP_UNCONFIRMED}:
+            # The agent exited while a stop was under way (or in doubt).  Confirmed only if nothing
+            # survived; a daemon that could not clear the tree lists the survivors and the deadline
+            # job then marks the stop unconfirmed: it never pretends.
             if not report.get("background_processes"):
                 stop_state = states.STOP_CONFIRMED
     turn = services.turn_set_status(
         turn_id=turn.pk, status=status, reason=report.get("reason") if status == protocol.INTERRUPTED else None,
         wake_error=report.get("wake_error"), stop_state=stop_state, from_daemon=True, **fields)
+    if late and stop_state == states.STOP_CONFIRMED:
+        _stop_late(turn, stop_state, basis=basis)
     if status in {protocol.ENDED, protocol.INTERRUPTED}:
         if isinstance(report.get("usage"), dict):
             services.session_add_usage(session_id=session.pk, usage=report["usage"])
@@ -568,6 +588,20 @@ def _apply_advance(connection: Connection, turn_id, report: dict) -> dict:
             _transcript_partial_reply(turn)
         _dispatch_next(session.pk)
     return {"turn": str(turn.pk), "status": turn.status, "stop_state": turn.stop_state}
+
+
+def _stop_late(turn: Turn, step: str, *, basis: str) -> None:
+    """A daemon's step of a stop the portal had marked ``unconfirmed``: its word comes late, and is
+    recorded as such (a ``turn.stop_late`` event; a confirmation is audited too).  Only the
+    confirmation changes the stop; a step on the way (signalled, escalated) is superseded."""
+    applied = step == states.STOP_CONFIRMED
+    event_append(stream=turn.stream, kind="turn.stop_late", actor=actor_name(None), data={
+        "id": str(turn.pk), "session": str(turn.session_id), "step": step, "applied": applied,
+        "stop_state": step if applied else states.STOP_UNCONFIRMED, "basis": basis})
+    if applied:
+        audit_record(actor=None, action="turn.stop_late", target=f"turn:{turn.pk}",
+                     outcome="stop confirmed by its daemon after it had been marked unconfirmed", client="daemon",
+                     reason=basis)
 
 
 PARTIAL_REPLY_MAX = 20_000

@@ -56,7 +56,7 @@ def _runner_id(turn: Turn):
     return turn.connection_id or turn.session.connection_id
 
 
-def turn_reconcile_held(*, connection_id, turn_id, evidence: dict) -> bool:
+def turn_reconcile_held(*, connection_id, turn_id, evidence: dict, ask_again: bool = False) -> bool:
     """Reopen an ``interrupted(offline)`` turn that the daemon running it says it holds; True if reopened."""
     turn = Turn.objects.select_related("session").filter(pk=turn_id).first()
     if turn is None or turn.status != states.INTERRUPTED or turn.interrupted_reason != states.REASON_OFFLINE:
@@ -76,29 +76,32 @@ def turn_reconcile_held(*, connection_id, turn_id, evidence: dict) -> bool:
     except ApplicationError as error:
         log.info("turn %s not reopened: %s", turn.pk, error.message)
         if error.code == "conflict":
-            turn_stop_held(connection_id=connection_id, turn_id=turn.pk, evidence=evidence, refusal=error.message)
+            turn_stop_held(connection_id=connection_id, turn_id=turn.pk, evidence=evidence, refusal=error.message,
+                           ask_again=ask_again)
         return False
     return True
 
 
-def turn_stop_held(*, connection_id, turn_id, evidence: dict, refusal: str) -> bool:
+def turn_stop_held(*, connection_id, turn_id, evidence: dict, refusal: str, ask_again: bool = False) -> bool:
     """The daemon holds a process of a settled turn that may not run again (``refusal``): tell it to
     stop it, explicitly and audited (issue 7 item 10: an interrupt always reaches a process a daemon
     says it holds).  The turn stays settled; its stop is ``requested`` until that daemon confirms, and
-    ``unconfirmed`` past the deadline.  Once per settle: True if asked now."""
+    ``unconfirmed`` past the deadline.  Once per settle: True if asked now.  ``ask_again`` (an
+    operator's interrupt): a stop that went unconfirmed is asked again; never on a heartbeat alone."""
     with transaction.atomic():
         turn = services.turn_lock(turn_id, related=("session",))  # session → turn
         if turn is None or turn.status != states.INTERRUPTED or _runner_id(turn) != connection_id:
             return False
-        if turn.stop_state != states.STOP_NONE:
+        if turn.stop_state != states.STOP_NONE and not (ask_again and turn.stop_state == states.STOP_UNCONFIRMED):
             return False  # already asked (each heartbeat lists the process until it is gone)
+        again = turn.stop_state == states.STOP_UNCONFIRMED
         turn, deadline = stop_ask(turn, Connection.objects.get(pk=connection_id))
         event_append(stream=turn.stream, kind="turn.held_stop", actor=actor_name(None),
                      data={"id": str(turn.pk), "connection": str(connection_id), "not_reopened": refusal,
                            "evidence": evidence, "deadline": deadline.isoformat()})
         audit_record(actor=None, action="turn.reconcile", target=f"turn:{turn.pk}",
-                     outcome="not reopened; its daemon is told to stop the process it holds", client="daemon",
-                     reason=refusal)
+                     outcome=f"not reopened; its daemon is told {'again ' if again else ''}to stop its process",
+                     client="daemon", reason=refusal)
     return True
 
 
@@ -126,10 +129,10 @@ def turns_reconcile_listed(*, connection_id, listed: dict[str, dict], basis: str
     return reopened
 
 
-def turn_reconcile_if_listed(*, turn: Turn) -> bool:
+def turn_reconcile_if_listed(*, turn: Turn, ask_again: bool = False) -> bool:
     """Before an interrupt: a settled turn its daemon's latest snapshot lists is reopened (offline), so
-    the interrupt reaches the process, or its daemon is told to stop it (SPEC §4.1, issue 7 item 10).
-    True if reopened."""
+    the interrupt reaches the process, or its daemon is told to stop it (SPEC §4.1, issue 7 item 10),
+    again if ``ask_again`` and that stop went unconfirmed.  True if reopened."""
     connection = selectors.turn_runner_connection(turn)
     snapshot = connection.last_snapshot or {}
     listed = listed_turns(snapshot.get("running"))
@@ -138,9 +141,10 @@ def turn_reconcile_if_listed(*, turn: Turn) -> bool:
     evidence = {"basis": "snapshot", "snapshot_at": snapshot.get("at"), **listed[str(turn.pk)]}
     if turn.interrupted_reason != states.REASON_OFFLINE:
         turn_stop_held(connection_id=connection.pk, turn_id=turn.pk, evidence=evidence,
-                       refusal=f"it was settled interrupted({turn.interrupted_reason}) while its daemon still held it")
+                       refusal=f"it was settled interrupted({turn.interrupted_reason}) while its daemon still held it",
+                       ask_again=ask_again)
         return False
-    return turn_reconcile_held(connection_id=connection.pk, turn_id=turn.pk, evidence=evidence)
+    return turn_reconcile_held(connection_id=connection.pk, turn_id=turn.pk, evidence=evidence, ask_again=ask_again)
 
 
 # ---------------------------------------------------------------- pending turns

@@ -36,7 +36,9 @@ STOP_TRANSITIONS: dict[str, set[str]] = {
     STOP_REQUESTED: {STOP_SIGNALLED, STOP_CONFIRMED, STOP_UNCONFIRMED},
     STOP_SIGNALLED: {STOP_ESCALATED, STOP_CONFIRMED, STOP_UNCONFIRMED},
     STOP_ESCALATED: {STOP_CONFIRMED, STOP_UNCONFIRMED},
-    STOP_UNCONFIRMED: {STOP_CONFIRMED},
+    # Confirmed late (the daemon was frozen or cut off past the deadline), or asked again by an
+    # operator (an interrupt reaches a process its daemon still holds, SPEC §4.1).
+    STOP_UNCONFIRMED: {STOP_REQUESTED, STOP_CONFIRMED},
 }
 
 TRIGGERS = ["human_instruction", "task_assigned", "mentioned", "resume", "handoff", "system"]

@@ -126,6 +126,36 @@ def test_a_frozen_daemon_comes_back_holding_its_turn_and_interrupt_stops_the_age
     assert not alive(back.pid)
 
 
+def test_a_stop_its_frozen_daemon_confirms_after_the_deadline_lands_late(fault_stack, tmp_path):
+    """Issue 7 ("never confirmed while a process lives", "no report dropped"): the daemon is frozen
+    while an operator interrupts; the stop goes ``unconfirmed``.  Thawed, the daemon stops the agent:
+    its steps (signalled, then interrupted/confirmed) land, not refused and parked behind a 409.
+    The default heartbeat threshold (20 s) outlasts the stop's deadline (2 + 5 s): never settled offline."""
+    stack = fault_stack
+    turn = start(stack, "@sleep 300\nLong work")
+    running = wait_turn(turn, lambda t: t.status == "running" and t.pid, 30, "the agent to run")
+    daemon_pid = stack["daemon"].process.pid
+    os.kill(daemon_pid, signal.SIGSTOP)
+    try:
+        status, answer = stack["api"].call("POST", f"/turns/{turn.pk}/interrupt", {"reason": "fault test"})
+        assert status == 200 and answer["dispatched"] is True, answer
+        wait_turn(turn, lambda t: t.stop_state == "unconfirmed", 20, "the stop's deadline to pass unconfirmed")
+        assert alive(running.pid)               # in doubt, rightly: the agent lives
+    finally:
+        os.kill(daemon_pid, signal.SIGCONT)
+    stopped = wait_turn(turn, lambda t: t.stop_state == "confirmed", 20, "the daemon's late confirmation")
+    assert (stopped.status, stopped.interrupted_reason) == ("interrupted", "user")
+    assert not alive(running.pid)
+    steps = [(e.data["step"], e.data["applied"]) for e in Event.objects.filter(
+        stream=turn.stream, kind="turn.stop_late", data__id=str(turn.pk)).order_by("id")]
+    assert steps and steps[-1] == ("confirmed", True) and all(not applied for _, applied in steps[:-1]), steps
+    # No report of the daemon was refused (a refusal is retried slowly, then parked).
+    wait_until(lambda: not list((tmp_path / "spool").glob("0*.json")), timeout=20, message="an empty spool")
+    assert not list((tmp_path / "spool" / "parked").glob("*.json"))
+    spool = Connection.objects.get(pk=stack["connection"].pk).capabilities.get("spool") or {}
+    assert spool.get("refused_total", 0) == 0, spool
+
+
 def test_pending_and_acked_then_killed_turns_run_after_the_daemon_restarts(
         short_heartbeat_timeout, fault_stack, tmp_path):
     stack = fault_stack
