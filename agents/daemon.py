@@ -113,6 +113,10 @@ class Daemon:
         self.tasks: dict[str, asyncio.Task] = {}          # turn -> its run() task
         self.queue: deque[TurnRunner] = deque()
         self.finished: OrderedDict[str, str] = OrderedDict()
+        # The agent of a finished turn: what it left running is still the turn's, so a later interrupt
+        # stops it before saying "confirmed" (bounded like ``finished``).
+        self.finished_agents: OrderedDict[str, Any] = OrderedDict()
+        self.leftover_stops: set[asyncio.Task] = set()
         self.seen_commands: OrderedDict[str, dict | None] = OrderedDict()  # id -> result sent (or None)
         self.ws = None
         self.connection_id: str | None = None
@@ -400,11 +404,13 @@ class Daemon:
             return None  # being stopped already; its report follows
         if runner is None:
             if turn and (turn in self.finished or (self.sender is not None and self.sender.has_pending(turn))):
-                # Ours, but its agent already exited (e.g. while waiting for an answer): it is stopped,
-                # say so (§4.1), after its own last report (one lane per turn keeps the order).  A turn
-                # that already ended is refused by the portal, which changes nothing.
-                self.reporter.advance(turn, p.AdvanceReport(report_id=p.new_report_id(), status=p.INTERRUPTED,
-                                                            reason="user", stop_state=p.STOP_CONFIRMED).as_dict())
+                # Ours, but its agent already exited (e.g. while waiting for an answer): once what it
+                # left running is stopped too, say so (§4.1), after its own last report (one lane per
+                # turn keeps the order).  A turn that already ended is refused by the portal.
+                task = asyncio.get_running_loop().create_task(
+                    self._stop_exited_turn(turn, self.finished_agents.get(turn), timeout), name=f"stop-left-{turn}")
+                self.leftover_stops.add(task)
+                task.add_done_callback(self.leftover_stops.discard)
                 return None
             # Never ran here: a daemon reports only turns it holds.  It says "not held" and the portal
             # settles the turn only if this daemon is the one that runs it.
@@ -417,6 +423,23 @@ class Daemon:
         if not runner.interrupt(reason="user", timeout_s=timeout):
             log.info("turn %s: interrupt ignored (already stopping or exited)", turn)
         return None
+
+    async def _stop_exited_turn(self, turn: str, agent, timeout_s: float) -> None:
+        """Interrupt of a turn whose agent exited: stop (SIGINT, then SIGKILL) what it left running,
+        and report the stop confirmed only when nothing of the turn lives."""
+        fields: dict[str, Any] = {"stop_state": p.STOP_CONFIRMED}
+        try:
+            if agent is not None and await agent.leftovers():
+                result = await agent.stop(timeout_s=timeout_s)
+                if result.survivors:
+                    fields = {"background_processes": [r.as_report() for r in result.survivors]}
+                elif not result.confirmed:
+                    fields = {}
+        except Exception:  # noqa: BLE001 - the stop is still reported, never claimed
+            log.exception("turn %s: stopping what its agent left running failed", turn)
+            fields = {}
+        self.reporter.advance(turn, p.AdvanceReport(report_id=p.new_report_id(), status=p.INTERRUPTED,
+                                                    reason="user", **fields).as_dict())
 
     def _session_busy(self, runner: TurnRunner) -> bool:
         session = runner.request.session or runner.turn
@@ -443,6 +466,10 @@ class Daemon:
         self.finished[turn] = runner.status if runner else "?"
         while len(self.finished) > FINISHED_TURNS_MAX:
             self.finished.popitem(last=False)
+        if runner is not None and runner.agent is not None:
+            self.finished_agents[turn] = runner.agent
+            while len(self.finished_agents) > FINISHED_TURNS_MAX:
+                self.finished_agents.popitem(last=False)
         if not self.stopping:
             self._pump()
         self.running_set_changed()

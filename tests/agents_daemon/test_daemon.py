@@ -207,6 +207,25 @@ async def test_interrupt_of_a_turn_that_exited_here_is_reported_after_its_end(po
     assert portal.statuses("turn-done")[-2:] == ["ended", "interrupted"]  # the portal refuses the latter
 
 
+async def test_interrupt_of_an_exited_turn_stops_what_it_left_running_before_confirming(portal, make_daemon, workdir):
+    """An agent that exited leaving a process behind (a dev server, say) and then is interrupted:
+    'confirmed' means no process of the turn lives (SPEC §4.1), so the leftover is stopped first."""
+    daemon, _ = await make_daemon()
+    await portal.command(p.START_TURN, "turn-left", start_payload(workdir, "@background 60\n@reply started it"))
+    await wait_until(lambda: "ended" in portal.statuses("turn-left") and "turn-left" in daemon.finished, 15)
+    ended = [a for a in portal.advances("turn-left") if a["status"] == "ended"][0]
+    leftover = ended["background_processes"][0]["pid"]
+    try:
+        assert pid_alive(leftover)
+        await portal.command(p.INTERRUPT, "turn-left", {"sigint_timeout_s": 2})
+        await wait_until(lambda: portal.statuses("turn-left")[-1:] == ["interrupted"], 15)
+        stop = portal.advances("turn-left")[-1]
+        assert stop["stop_state"] == "confirmed"
+        assert not pid_alive(leftover), "confirmed while the turn's leftover process lives"
+    finally:
+        kill_quietly(leftover)
+
+
 async def test_capacity_and_one_turn_per_session(portal, make_daemon, workdir):
     daemon, _ = await make_daemon(max_concurrency=2)
     await portal.command(p.START_TURN, "s1-a", start_payload(workdir, "@sleep 1\n@reply a", session="s1"))
