@@ -612,9 +612,12 @@ class ReportSender:
 
 
 def is_stop_report(entry: SpoolEntry) -> bool:
-    """A step of a stop (signalled, escalated, confirmed; the turn interrupted)."""
-    return not is_events_path(entry.path) and (bool(entry.body.get("stop_state"))
-                                               or entry.body.get("status") == "interrupted")
+    """A step of a stop (signalled, escalated, confirmed; the turn interrupted by the stop).  A crash
+    (interrupted, reason crash) is not one: the portal keeps the reply printed before it."""
+    if is_events_path(entry.path):
+        return False
+    return bool(entry.body.get("stop_state")) or (entry.body.get("status") == "interrupted"
+                                                  and entry.body.get("reason") == "user")
 
 
 def _next_in_lane(queue: deque[SpoolEntry]) -> SpoolEntry:

@@ -310,6 +310,29 @@ async def test_an_end_comes_after_its_output_and_a_later_stop_does_not_pass_it(t
     spool.close()
 
 
+async def test_a_crash_comes_after_the_output_before_it(tmp_path):
+    """A crash is not a stop: the portal keeps the reply the agent printed before it (the partial
+    reply of the transcript, issue 10), so its report must not pass the output queued ahead of it."""
+    portal = FakePortal()
+    portal.down = True
+    spool = Spool(str(tmp_path))
+    sender = ReportSender(spool, portal.post, backoff_first_s=0.01, backoff_cap_s=0.02)
+    writes = [sender.submit(lane="t", path="/daemon/turns/t/advance", body={"report_id": "run", "status": "running"})]
+    writes += [sender.submit(lane="t", path="/daemon/turns/t/events", body=events_body(f"ev{i}", 10 * i, 10))
+               for i in range(5)]
+    writes.append(sender.submit(lane="t", path="/daemon/turns/t/advance", body={
+        "report_id": "crash", "status": "interrupted", "reason": "crash",
+        "wake_error": {"kind": "crash", "summary": "exit 3"}}))
+    await asyncio.gather(*writes)
+    portal.down = False
+    assert await sender.drain(5)
+    order = [body["report_id"] for _, body in portal.received]
+    assert order[0] == "run" and order[-1] == "crash"
+    assert sent_events(portal) == list(range(50))
+    await sender.close()
+    spool.close()
+
+
 async def test_queued_batches_of_a_turn_are_merged_within_bounds_and_on_disk(tmp_path):
     from agents.spool import MERGE_EVENTS_MAX
 
