@@ -24,6 +24,7 @@ import sys
 import threading
 from datetime import datetime, timedelta, timezone as dt_timezone
 
+from django.conf import settings
 from django.db import IntegrityError, connection, transaction
 from django.utils import timezone
 
@@ -85,6 +86,8 @@ def presence_keep() -> None:
     but lives on for a while closing its sockets, and a process that no daemon can reach must not
     say the portal hears them (a SIGKILLed process stops with its thread)."""
     global _thread
+    if not settings.CHORUS_PORTAL_PRESENCE:
+        return  # a process that imports the ASGI app without serving daemons (the test process)
     with _started:
         if _thread is not None and _thread.is_alive():
             return

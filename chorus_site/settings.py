@@ -429,6 +429,10 @@ CHORUS_SSE_HEARTBEAT_S = env_int("CHORUS_SSE_HEARTBEAT_S", 15, minimum=1)
 CHORUS_ACCESS_RECHECK_S = env_int("CHORUS_ACCESS_RECHECK_S", 5, minimum=1)
 # The one staleness threshold of daemon heartbeats: past it a connection is not live (no new work,
 # evidence for mark-interrupted) and the sweep takes it offline and settles its turns.
+# A portal process keeps its presence row fresh (chorus_site/presence.py): the stale sweep judges
+# no daemon while no portal could hear it. Off only in a process that imports the ASGI app but
+# serves no daemons (the test process: tests/conftest.py).
+CHORUS_PORTAL_PRESENCE = env_bool("CHORUS_PORTAL_PRESENCE", True)
 CHORUS_HEARTBEAT_TIMEOUT_S = env_int("CHORUS_HEARTBEAT_TIMEOUT_S", _protocol.HEARTBEAT_TIMEOUT_S, minimum=10)
 CHORUS_IDEMPOTENCY_TTL_HOURS = 24
 # /metrics (chorus_site/metrics.py, docs/alerts.md): a scraper shows this bearer token or comes from

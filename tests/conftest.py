@@ -33,6 +33,19 @@ def _widen_the_test_process_pool():
 
 _widen_the_test_process_pool()
 
+
+def _no_presence_thread_in_the_test_process():
+    """Tests that drive the ASGI app in-process import chorus_site.asgi, which starts the portal's
+    presence refresher: in the test process it would write PortalPresence into every later test's
+    database each second (sweep tests would see a portal that is up, or one that went down) and hold
+    a pooled connection. The portal processes the tests start keep it (their settings are their own)."""
+    from django.conf import settings
+
+    settings.CHORUS_PORTAL_PRESENCE = False
+
+
+_no_presence_thread_in_the_test_process()
+
 PASSWORD = factories.PASSWORD
 
 # fixture name -> (username, role group or None)

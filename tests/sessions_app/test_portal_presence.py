@@ -73,3 +73,15 @@ def test_each_refresh_keeps_the_up_period_and_a_gap_starts_a_new_one():
     presence.presence_refresh(now=back)
     assert PortalPresence.objects.get().up_since == back
     assert presence.portal_up_since(now=back) == back
+
+
+def test_the_test_process_runs_no_presence_refresher():
+    """Importing the ASGI app here (as in-process socket tests do) must not start the refresher:
+    it would write this row into every later test's database (tests/conftest.py)."""
+    import threading
+
+    import chorus_site.asgi  # noqa: F401
+
+    presence.presence_keep()
+    assert not [t for t in threading.enumerate() if t.name == "chorus-portal-presence"]
+    assert not PortalPresence.objects.exists()
