@@ -66,9 +66,18 @@ def scrape_refusal(request) -> tuple[int, str] | None:
         scheme, _, given = request.headers.get("Authorization", "").partition(" ")
         if scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), token.encode()):
             return None
-    if allowlist and _address_allowed(request.META.get("REMOTE_ADDR", ""), allowlist):
+    if allowlist and not _through_a_proxy(request) and _address_allowed(request.META.get("REMOTE_ADDR", ""), allowlist):
         return None
     return 401, "a bearer token (CHORUS_METRICS_TOKEN) or an allowed address is required"
+
+
+# Headers a reverse proxy adds: a request carrying one came through it, and its REMOTE_ADDR is the
+# proxy's own (127.0.0.1 in docs/deployment.md), not the caller's.
+PROXY_HEADERS = ("HTTP_FORWARDED", "HTTP_X_FORWARDED_FOR", "HTTP_X_FORWARDED_PROTO", "HTTP_X_REAL_IP")
+
+
+def _through_a_proxy(request) -> bool:
+    return any(name in request.META for name in PROXY_HEADERS)
 
 
 def _address_allowed(address: str, allowlist: list[str]) -> bool:

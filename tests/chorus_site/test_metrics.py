@@ -71,6 +71,20 @@ def test_an_allowlisted_address_needs_no_token(client, settings):
     assert client.get("/metrics", REMOTE_ADDR="192.168.1.1").status_code == 401
 
 
+@pytest.mark.parametrize("forwarded", [{"HTTP_X_FORWARDED_FOR": "203.0.113.9"}, {"HTTP_X_FORWARDED_PROTO": "https"},
+                                       {"HTTP_FORWARDED": "for=203.0.113.9"}, {"HTTP_X_REAL_IP": "203.0.113.9"}])
+def test_a_request_through_a_proxy_is_never_admitted_by_address(client, settings, forwarded):
+    """The documented deployment puts daphne on 127.0.0.1 behind a TLS proxy: every request through
+    the proxy arrives from the proxy's address, so an allowlisted loopback would let anyone on the
+    internet read /metrics. What came through a proxy needs the token."""
+    settings.CHORUS_METRICS_TOKEN = TOKEN
+    settings.CHORUS_METRICS_ALLOWLIST = ["127.0.0.1"]
+    assert client.get("/metrics", REMOTE_ADDR="127.0.0.1").status_code == 200  # a scraper on the host
+    assert client.get("/metrics", REMOTE_ADDR="127.0.0.1", **forwarded).status_code == 401
+    assert client.get("/metrics", REMOTE_ADDR="127.0.0.1", HTTP_AUTHORIZATION=f"Bearer {TOKEN}",
+                      **forwarded).status_code == 200
+
+
 def test_state_is_read_at_scrape_time_and_counters_move(operator, connection, scrape, django_capture_on_commit_callbacks):  # noqa: F811
     before = scrape()
     with django_capture_on_commit_callbacks(execute=True):
