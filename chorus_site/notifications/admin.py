@@ -1,7 +1,10 @@
 """Notification rules (ops_admin adds and edits them; every ops role reads them) and the delivery log."""
 
+from urllib.parse import urlsplit
+
 from django import forms
 from django.contrib import admin
+from django.core.validators import URLValidator
 from django.db import transaction
 
 from chorus_site.admin_base import OpsAdmin
@@ -10,11 +13,21 @@ from chorus_site.audit import audit_record
 from .models import NotificationDelivery, NotificationRule
 
 
+def url_shown(url: str) -> str:
+    """A webhook URL as every ops role may read it: chat services carry their token in the path (and
+    sometimes the query), so only the scheme and host are shown."""
+    if not url:
+        return "—"
+    parts = urlsplit(url)
+    return f"{parts.scheme}://{parts.hostname or ''}/…" if parts.scheme else "(set)"
+
+
 class RuleForm(forms.ModelForm):
     # The HMAC key is write-only: shown as set / not set, kept when left empty.
     webhook_secret = forms.CharField(required=False, widget=forms.PasswordInput(render_value=False),
                                      help_text="leave empty to keep the current secret")
     webhook_url = forms.URLField(required=False, max_length=1000, assume_scheme="https",
+                                 validators=[URLValidator(schemes=["http", "https"])],  # a webhook is an HTTP POST
                                  help_text=NotificationRule._meta.get_field("webhook_url").help_text)
 
     class Meta:
@@ -49,15 +62,22 @@ class NotificationRuleAdmin(admin.ModelAdmin):
     def secret_state(self, obj):
         return "set" if obj.webhook_secret else "not set"
 
+    @admin.display(description="webhook")
+    def webhook_shown(self, obj):
+        return url_shown(obj.webhook_url)
+
     def get_readonly_fields(self, request, obj=None):
         if not self.has_change_permission(request, obj):
-            return [f.name for f in self.model._meta.fields if f.name != "webhook_secret"] + ["secret_state"]
+            hidden = {"webhook_secret", "webhook_url"}
+            return [f.name for f in self.model._meta.fields if f.name not in hidden] + ["webhook_shown", "secret_state"]
         return []
 
     def get_fields(self, request, obj=None):
         fields = super().get_fields(request, obj)
-        if not self.has_change_permission(request, obj):  # a viewer never sees the secret, not even masked
-            fields = [f for f in fields if f != "webhook_secret"] + ["secret_state"]
+        if not self.has_change_permission(request, obj):
+            # a viewer never sees the secret, not even masked, nor the URL's path (often a token)
+            fields = [("webhook_shown" if f == "webhook_url" else f) for f in fields if f != "webhook_secret"]
+            fields += ["secret_state"]
         return fields
 
     def save_model(self, request, obj, form, change):
@@ -100,3 +120,13 @@ class NotificationDeliveryAdmin(OpsAdmin):
     @admin.display(description="reason")
     def short_reason(self, obj):
         return obj.reason[:120]
+
+    @admin.display(description="target")
+    def target_shown(self, obj):
+        return url_shown(obj.target) if obj.channel == NotificationDelivery.WEBHOOK else obj.target
+
+    def get_fields(self, request, obj=None):
+        return [("target_shown" if f == "target" else f) for f in super().get_fields(request, obj)]
+
+    def get_readonly_fields(self, request, obj=None):
+        return [*super().get_readonly_fields(request, obj), "target_shown"]

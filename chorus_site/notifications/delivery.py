@@ -12,6 +12,7 @@ import hmac
 import json
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 
 from django.conf import settings
@@ -72,6 +73,8 @@ def send_webhook(delivery: NotificationDelivery) -> None:
                "X-Chorus-Timestamp": timestamp, "X-Chorus-Delivery": str(delivery.pk)}
     if delivery.rule.webhook_secret:
         headers["X-Chorus-Signature"] = signature(delivery.rule.webhook_secret, timestamp, body)
+    if urllib.parse.urlsplit(delivery.target).scheme not in ("http", "https"):
+        raise DeliveryFailed("webhook URL is not http(s)")  # a rule saved before the admin checked it
     request = urllib.request.Request(delivery.target, data=body, method="POST", headers=headers)
     try:
         with urllib.request.urlopen(request, timeout=WEBHOOK_TIMEOUT_S) as response:

@@ -205,3 +205,29 @@ def test_the_workflow_scope_matches_turns_of_that_workflows_runs(operator, conne
     fail(connection, in_run)
     rules.notifications_scan()
     assert deliveries() == [("nightly", "email", "pending")]
+
+
+def test_a_webhook_url_is_a_credential_viewers_see_only_its_host_and_only_http_is_accepted(
+        client, viewer, ops_admin_user):
+    """Chat services' webhook URLs carry their token in the path: only ops_admin (who sets them)
+    reads the whole URL; everyone else, on the rule and in the delivery log, its scheme and host.
+    And a webhook is an HTTP(S) POST: ftp:// and the like are refused when the rule is saved."""
+    secret_path = "/services/T000/B000/XXXXsecretXXXX"
+    rule = NotificationRule.objects.create(name="chat", trigger="turn_failed", webhook_url="https://hooks.example" + secret_path)
+    delivery = NotificationDelivery.objects.create(rule=rule, channel="webhook", about="turn:x", subject="s",
+                                                   target=rule.webhook_url, payload={})
+    client.force_login(viewer)
+    for url in (f"/admin/notifications/notificationrule/{rule.pk}/change/",
+                "/admin/notifications/notificationrule/",
+                f"/admin/notifications/notificationdelivery/{delivery.pk}/change/",
+                "/admin/notifications/notificationdelivery/"):
+        page = client.get(url)
+        assert page.status_code == 200, url
+        assert "XXXXsecretXXXX" not in page.content.decode(), url
+    assert "hooks.example" in client.get(f"/admin/notifications/notificationrule/{rule.pk}/change/").content.decode()
+    client.force_login(ops_admin_user)
+    form = {"name": "ftp", "enabled": "on", "trigger": "turn_failed", "wake_error_kind": "", "older_than_s": "0",
+            "email_to": "", "webhook_url": "ftp://files.example/drop", "webhook_secret": "", "quiet_period_s": "600",
+            "backend": "", "workflow": ""}
+    response = client.post("/admin/notifications/notificationrule/add/", form)
+    assert response.status_code == 200 and not NotificationRule.objects.filter(name="ftp").exists()
