@@ -1,6 +1,7 @@
 """Sessions section of the ops admin (SPEC §3.1): read views with live badges and timelines."""
 
 from django.contrib import admin, messages
+from django.db import transaction
 from django.urls import path, reverse
 from django.utils.html import format_html
 
@@ -351,3 +352,11 @@ class BackendSettingAdmin(admin.ModelAdmin):
         audit_record(actor=request.user, action="backend_setting.delete", target=f"backend:{obj.backend}",
                      outcome="deleted", client="admin")
         super().delete_model(request, obj)
+
+    def delete_queryset(self, request, queryset):
+        # "delete selected" bypasses delete_model: every deleted row is audited, in the deletion's transaction
+        with transaction.atomic():
+            for backend in queryset.values_list("backend", flat=True):
+                audit_record(actor=request.user, action="backend_setting.delete", target=f"backend:{backend}",
+                             outcome="deleted", client="admin")
+            super().delete_queryset(request, queryset)

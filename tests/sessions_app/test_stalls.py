@@ -145,3 +145,19 @@ def test_the_turn_page_shows_a_stall_with_the_operators_options(operator, connec
     assert "interrupt it" in page and "chorus-stall-message" in page and "or wait" in page
     listing = client.get("/admin/sessions_app/turn/?stalled=yes").content.decode()
     assert f'data-live-id="{turn.pk}" data-live-field="stalled"' in listing
+
+
+def test_deleting_backend_settings_from_the_changelist_is_audited(client, ops_admin_user):
+    """The changelist's "delete selected" bypasses delete_model: each deleted row is audited too."""
+    from chorus_site.models import AuditEntry
+
+    BackendSetting.objects.create(backend="claude_code", stall_threshold_s=120)
+    BackendSetting.objects.create(backend="codex", stall_threshold_s=300)
+    client.force_login(ops_admin_user)
+    response = client.post("/admin/sessions_app/backendsetting/", {
+        "action": "delete_selected", "_selected_action": list(BackendSetting.objects.values_list("pk", flat=True)),
+        "post": "yes"})
+    assert response.status_code == 302
+    assert not BackendSetting.objects.exists()
+    assert sorted(AuditEntry.objects.filter(action="backend_setting.delete").values_list("target", flat=True)) == [
+        "backend:claude_code", "backend:codex"]
