@@ -4,7 +4,12 @@ model stand-in (issue 10). docs/daemon-backends.md says which observation each t
 from __future__ import annotations
 
 import json
+import os
+import pty
+import re
 import shutil
+import signal
+import subprocess
 import threading
 
 import pytest
@@ -68,6 +73,113 @@ def test_turn_with_tools_then_the_next_message_in_the_same_session(claude):
     status, detail = claude["api"].call("GET", f"/sessions/{session.pk}")
     assert detail["takeover"]["backend_session_id"] == session.backend_session_id
     assert session.backend_session_id in detail["takeover"]["command"]
+
+
+class Terminal:
+    """A command run under a pseudo-terminal (the take-over is Claude Code's interactive TUI), its
+    screen output collected by a thread so the TUI never blocks on a full pty."""
+
+    def __init__(self, command: str, *, cwd, env: dict[str, str]):
+        master, slave = pty.openpty()
+        self.master, self.output = master, bytearray()
+        self.proc = subprocess.Popen(["/bin/sh", "-c", command], cwd=cwd, env=env, stdin=slave, stdout=slave,
+                                     stderr=slave, start_new_session=True)
+        os.close(slave)
+        threading.Thread(target=self._drain, daemon=True).start()
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                chunk = os.read(self.master, 65536)
+            except OSError:
+                break
+            if not chunk:
+                break
+            self.output.extend(chunk)
+
+    def screen(self) -> str:
+        """What was printed, escape sequences and whitespace removed (the TUI moves the cursor
+        instead of printing spaces)."""
+        text = re.sub(rb"\x1b(\[[0-9;?<>=]*[ -/]*[@-~]|\][^\x07\x1b]*(\x07|\x1b\\)|[()][0-9A-Za-z]|.)", b"",
+                      bytes(self.output)).decode("utf-8", "replace")
+        return re.sub(r"\s+", "", text)
+
+    def wait_for(self, predicate, *, timeout: float, message: str):
+        """``wait_until`` that shows the end of the screen when it times out."""
+        try:
+            return wait_until(predicate, timeout=timeout, message=message)
+        except AssertionError as error:
+            raise AssertionError(f"{error}; screen: {self.screen()[-600:]}") from None
+
+    def type(self, keys: str) -> None:
+        os.write(self.master, keys.encode())
+
+    def end(self) -> bool:
+        """Ctrl-C twice, as an operator leaves the TUI: True if it exited so, else it is killed
+        (no raising here: a failure earlier in the test stays the one reported)."""
+        try:
+            self.type("\x03")
+            wait_until(lambda: "again" in self.screen(), timeout=5, message="'press Ctrl-C again to exit'")
+            self.type("\x03")
+            wait_until(lambda: self.proc.poll() is not None, timeout=10, message="the TUI to exit on Ctrl-C")
+            return True
+        except (AssertionError, OSError):
+            return False
+        finally:
+            if self.proc.poll() is None:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+            os.close(self.master)
+
+
+def accept_first_run_dialogs(home, cwd: str, api_key: str) -> None:
+    """What an operator answers once on the daemon's user the first time they run ``claude``
+    interactively; 2.1.328 keeps it in ``~/.claude.json`` (``$CLAUDE_CONFIG_DIR/.claude.json``):
+    onboarding done (else the TUI opens on a connectivity check of api.anthropic.com, which fails
+    behind a gateway), the API key from the environment approved (its last 20 characters), the
+    folder trusted. ``claude -p`` asks none of this, so the daemon's runs leave them unset."""
+    path = home / ".claude.json"
+    config = json.loads(path.read_text()) if path.exists() else {}
+    config["hasCompletedOnboarding"] = True
+    config["customApiKeyResponses"] = {"approved": [api_key[-20:]], "rejected": []}
+    config.setdefault("projects", {}).setdefault(cwd, {})["hasTrustDialogAccepted"] = True
+    path.write_text(json.dumps(config))
+
+
+def test_the_takeover_command_run_as_printed_in_a_terminal_continues_the_conversation(claude):
+    ws, model = claude["workspace"], claude["standin"]
+    model.script(Reply(text="Earlier answer from the daemon's turn."))
+    turn = wait_status(start(claude, "First question through the portal."), "ended", bridge=claude)
+    session = Session.objects.get(pk=turn.session_id)
+    status, detail = claude["api"].call("GET", f"/sessions/{session.pk}")
+    assert status == 200
+    command = detail["takeover"]["command"]
+    assert command == f"cd {ws} && claude --resume {session.backend_session_id}"
+
+    # The operator, as the daemon's user with its environment (base URL, key, HOME), in a terminal.
+    accept_first_run_dialogs(claude["home"], str(ws), claude["daemon"].env["ANTHROPIC_API_KEY"])
+    env = {**claude["daemon"].env, "TERM": "xterm-256color",
+           "PATH": os.path.dirname(claude["binary"]) + os.pathsep + os.environ["PATH"]}
+    model.script(Reply(text="Taken over by hand."))
+    calls = len(model.agent_requests())
+    terminal = Terminal(command, cwd="/", env=env)
+    try:
+        # The TUI shows the resumed conversation, then reads the operator's message.
+        terminal.wait_for(lambda: "Earlieranswerfromthedaemon'sturn." in terminal.screen(), timeout=20,
+                          message="the TUI to show the resumed conversation")
+        terminal.type("Typed by the operator.")
+        terminal.wait_for(lambda: "Typedbytheoperator." in terminal.screen(), timeout=10, message="the typed message")
+        terminal.type("\r")
+        asked = terminal.wait_for(lambda: next((r for r in model.agent_requests()[calls:]
+                                                if "Typed by the operator." in said(r)), None), timeout=20,
+                                  message="the TUI to call the model")
+        assert "First question through the portal." in said(asked)
+        assert "Earlier answer from the daemon's turn." in said(asked)
+        assert session.backend_session_id in asked.body["metadata"]["user_id"]  # the same session
+        terminal.wait_for(lambda: "Takenoverbyhand." in terminal.screen(), timeout=10, message="the reply on screen")
+    finally:
+        left_with_ctrl_c = terminal.end()
+    assert left_with_ctrl_c and group_processes(terminal.proc.pid) == []  # the TUI and its helpers are gone
 
 
 def test_interrupt_mid_stream_is_confirmed_and_the_session_resumes(claude):
