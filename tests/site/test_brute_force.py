@@ -112,6 +112,7 @@ def test_wrong_task_tokens_and_connection_keys_are_throttled_too():
     _assert_throttled(response)
 
 
+@pytest.mark.django_db(transaction=True)  # the SSE view's database_sync_to_async closes the connection it used
 def test_the_sse_route_counts_wrong_tokens():
     for n in range(300):
         response = _get("/api/v1/sessions/00000000-0000-0000-0000-000000000000/events/stream", f"cho_x_y{n}",
