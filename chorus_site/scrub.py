@@ -63,7 +63,7 @@ def stored_secrets_scrub(*, ControlCommand=None, IdempotencyRecord=None) -> dict
                                                                              "result").values("pk")))
     for pk in list(commands.values_list("pk", flat=True)):
         with transaction.atomic():
-            row = ControlCommand.objects.select_for_update().filter(pk=pk).values("payload", "result").first()
+            row = ControlCommand.objects.select_for_update(no_key=True).filter(pk=pk).values("payload", "result").first()
             if row is None:
                 continue
             payload, result = _command_scrubbed(row["payload"], row["result"])

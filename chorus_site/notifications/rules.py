@@ -256,10 +256,10 @@ def notifications_scan(*, now=None) -> dict:
     now = now or timezone.now()
     created: list[NotificationDelivery] = []
     with transaction.atomic():
-        cursor, fresh = NotificationCursor.objects.select_for_update().get_or_create(
+        cursor, fresh = NotificationCursor.objects.select_for_update(no_key=True).get_or_create(
             name=CURSOR, defaults={"last_event_id": Event.objects.order_by("-id").values_list("id", flat=True).first()
                                    or 0})
-        rules = list(NotificationRule.objects.select_for_update().filter(enabled=True))
+        rules = list(NotificationRule.objects.select_for_update(no_key=True).filter(enabled=True))
         events = [] if fresh else list(Event.objects.filter(id__gt=cursor.last_event_id, kind__in=SCAN_KINDS)
                                        .order_by("id")[:SCAN_BATCH])
         if events and rules:
