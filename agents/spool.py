@@ -396,28 +396,27 @@ class ReportSender:
             raise OSError("the report this batch was merged into could not be written")
         return self.spool.rewrite(record.entry, body)
 
-    def _rewritten(self, lane: str, write: asyncio.Future) -> None:
+    def _write_done(self, lane: str, write: asyncio.Future, what: str) -> bool:
+        """The bookkeeping of a finished spool write: True if it succeeded, else counted and logged."""
         self._writes.discard(write)
         self._writing[lane] -= 1
         if not self._writing[lane]:
             del self._writing[lane]
         if write.cancelled() or write.exception() is not None:
-            # The file keeps the events before this merge; the merged report is still sent whole
-            # from memory (a daemon killed before that loses those events, as unflushed output).
             self.unspooled += 1
-            log.error("merged events could not be written to the spool %s: %s", self.spool.directory,
+            log.error("%s could not be written to the spool %s: %s", what, self.spool.directory,
                       "cancelled" if write.cancelled() else write.exception())
+            return False
+        return True
+
+    def _rewritten(self, lane: str, write: asyncio.Future) -> None:
+        # On failure the file keeps the events before this merge; the merged report is still sent
+        # whole from memory (a daemon killed before that loses those events, as unflushed output).
+        self._write_done(lane, write, "merged events")
         self._maybe_idle()
 
     def _written(self, lane: str, write: asyncio.Future) -> None:
-        self._writes.discard(write)
-        self._writing[lane] -= 1
-        if not self._writing[lane]:
-            del self._writing[lane]
-        if write.cancelled() or write.exception() is not None:
-            self.unspooled += 1
-            log.error("a report could not be written to the spool %s: %s", self.spool.directory,
-                      "cancelled" if write.cancelled() else write.exception())
+        if not self._write_done(lane, write, "a report"):
             tail = self._tails.get(lane)
             if tail is not None and tail.entry is None:
                 tail.mergeable = False  # nothing on disk to merge into
